@@ -1,0 +1,1 @@
+"""AuK audio codec decoder, replayed as CUDA graphs and served on Triton."""
