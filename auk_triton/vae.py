@@ -1,0 +1,327 @@
+"""The AuK VAE: a causal BigVGAN-style decoder (and its encoder), checkpoint-compatible.
+
+Parameter names follow the released `vae.safetensors` exactly, so a state dict
+maps onto this module key for key. Convolutions are stored there in the legacy
+weight-norm form (`weight_g`, `weight_v`); this module holds plain `weight`
+tensors and folds weight = g * v / ||v|| when loading, on the module's own
+device, because a CPU fold lands up to one ULP away from the GPU's and the
+encoder amplifies that.
+
+Causality lives in the padding: every decoder convolution after `conv_pre`
+pads only on the left, and each causal transposed convolution drops its last
+`rate` outputs, so the output grows exactly `rate`-fold. Only `conv_pre` and
+the anti-aliasing upsamplers look ahead, which is why the right decode context
+is a few frames and the left one tens of frames.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from .activations import Activation1d
+
+DEFAULT_INIT_KWARGS = {
+    "upsample_rates": (5, 4, 3, 2, 2, 2),
+    "upsample_kernel_sizes": (10, 8, 6, 4, 4, 4),
+    "upsample_initial_channel": 1536,
+    "resblock_kernel_sizes": (3, 7, 11),
+    "resblock_dilation_sizes": ((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+    "downsample_rates": (2, 2, 2, 3, 4, 5),
+    "downsample_channels": (12, 24, 48, 96, 192, 384, 768),
+    "snake_logscale": True,
+    "latent_dim": 64,
+    "use_vae": True,
+    "causal": True,
+    "act_causal": True,
+    "sample_rate": 24000,
+}
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d that zero-pads dilation * (kernel - 1) samples on the left only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left = self.dilation[0] * (self.kernel_size[0] - 1)
+        return super().forward(F.pad(x, (left, 0)))
+
+
+class CausalConvTranspose1d(nn.ConvTranspose1d):
+    """ConvTranspose1d(kernel 2r, stride r) that drops its last r outputs: length grows r-fold."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., : -self.stride[0]]
+
+
+class AMPBlock(nn.Module):
+    """Three residual units: x += convs2[n](act(convs1[n](act(x)))), causal, dilated."""
+
+    def __init__(self, channels, kernel, dilations, logscale, act_causal):
+        super().__init__()
+        self.convs1 = nn.ModuleList(CausalConv1d(channels, channels, kernel, dilation=d) for d in dilations)
+        self.convs2 = nn.ModuleList(CausalConv1d(channels, channels, kernel) for _ in dilations)
+        self.activations = nn.ModuleList(
+            Activation1d(channels, logscale, act_causal) for _ in range(2 * len(dilations))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for n, (c1, c2) in enumerate(zip(self.convs1, self.convs2)):
+            x = x + c2(self.activations[2 * n + 1](c1(self.activations[2 * n](x))))
+        return x
+
+
+class WNConv(nn.Module):
+    """Holds a conv under `.layer`, as the released encoder names its strided convs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.layer = nn.Conv1d(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class EncoderResidualStack(nn.Module):
+    def __init__(self, channels: int, depth: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(
+                nn.LeakyReLU(0.01),
+                nn.Conv1d(channels, channels, 3, dilation=2**n, padding=2**n),
+                nn.LeakyReLU(0.01),
+                nn.Conv1d(channels, channels, 3, padding=1),
+            )
+            for n in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """Waveform [B, 1, T] -> [B, 2 * latent_dim, T / hop] (mean and log-std)."""
+
+    def __init__(self, rates, channels, latent_dim):
+        super().__init__()
+        modules = [WNConv(1, channels[0], 3, padding=1), nn.LeakyReLU(0.2)]
+        for s, f in enumerate(rates):
+            modules += [
+                WNConv(channels[s], channels[s + 1], 2 * f, stride=f, padding=(2 * f - 1) // 2),
+                EncoderResidualStack(channels[s + 1]),
+                nn.LeakyReLU(0.2),
+            ]
+        modules.append(WNConv(channels[-1], 2 * latent_dim, 3, padding=1))
+        self.generator = nn.Sequential(*modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.generator(x)
+
+
+class AuKVAE(nn.Module):
+    def __init__(
+        self,
+        upsample_rates=DEFAULT_INIT_KWARGS["upsample_rates"],
+        upsample_kernel_sizes=DEFAULT_INIT_KWARGS["upsample_kernel_sizes"],
+        upsample_initial_channel=DEFAULT_INIT_KWARGS["upsample_initial_channel"],
+        resblock_kernel_sizes=DEFAULT_INIT_KWARGS["resblock_kernel_sizes"],
+        resblock_dilation_sizes=DEFAULT_INIT_KWARGS["resblock_dilation_sizes"],
+        downsample_rates=DEFAULT_INIT_KWARGS["downsample_rates"],
+        downsample_channels=DEFAULT_INIT_KWARGS["downsample_channels"],
+        snake_logscale=True,
+        latent_dim=64,
+        use_vae=True,
+        causal=True,
+        act_causal=True,
+        sample_rate=24000,
+    ):
+        super().__init__()
+        if not use_vae:
+            raise ValueError("use_vae=False is not supported: the AuK encoder head emits mean and log-std")
+        if not causal:
+            raise ValueError("causal=False is not supported: the released AuK decoder is causal")
+        for rate, kernel in zip(upsample_rates, upsample_kernel_sizes):
+            if kernel != 2 * rate:
+                raise ValueError(f"upsample kernel {kernel} must be twice its rate {rate}")
+        self.upsample_rates = tuple(int(r) for r in upsample_rates)
+        self.resblock_kernel_sizes = tuple(int(k) for k in resblock_kernel_sizes)
+        self.resblock_dilation_sizes = tuple(tuple(int(d) for d in ds) for ds in resblock_dilation_sizes)
+        self.act_causal = bool(act_causal)
+        self.latent_dim = int(latent_dim)
+        self.sample_rate = int(sample_rate)
+        self.hop_size = math.prod(self.upsample_rates)
+        if math.prod(downsample_rates) != self.hop_size:
+            raise ValueError(f"encoder hop {math.prod(downsample_rates)} != decoder hop {self.hop_size}")
+
+        self.register_buffer("global_mean", torch.zeros(latent_dim))
+        self.register_buffer("global_log_std", torch.ones(latent_dim))
+
+        c0 = int(upsample_initial_channel)
+        self.conv_pre = nn.Conv1d(latent_dim, c0, 7, padding=3)
+        self.ups = nn.ModuleList()
+        self.resblocks = nn.ModuleList()
+        for i, (rate, kernel) in enumerate(zip(upsample_rates, upsample_kernel_sizes)):
+            c_in, c_out = c0 // 2**i, c0 // 2 ** (i + 1)
+            self.ups.append(nn.ModuleList([CausalConvTranspose1d(c_in, c_out, kernel, stride=rate)]))
+            for k, dilations in zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes):
+                self.resblocks.append(AMPBlock(c_out, k, dilations, snake_logscale, act_causal))
+        c_last = c0 // 2 ** len(upsample_rates)
+        self.activation_post = Activation1d(c_last, snake_logscale, act_causal)
+        self.conv_post = CausalConv1d(c_last, 1, 7, bias=False)
+        self.audio_encoder = AudioEncoder(downsample_rates, downsample_channels, latent_dim)
+
+    # ---- construction and loading -------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, model_init_kwargs: dict) -> "AuKVAE":
+        """Build from a checkpoint's `model_init_kwargs`; training-only keys are ignored."""
+        known = {k: v for k, v in model_init_kwargs.items() if k in DEFAULT_INIT_KWARGS}
+        return cls(**known)
+
+    def load_weights(self, path) -> "AuKVAE":
+        """Load a released-layout `vae.safetensors` and fold weight norm on this module's device."""
+        device = self.global_mean.device
+        stored = load_file(str(path), device="cpu")
+        stored = {k: v for k, v in stored.items() if not k.startswith("flow.")}
+        state = {}
+        for name, tensor in stored.items():
+            if name.endswith(".weight_v"):
+                continue
+            if name.endswith(".weight_g"):
+                prefix = name[: -len("_g")]
+                v = stored.get(prefix + "_v")
+                if v is None:
+                    raise ValueError(f"checkpoint {path} has {name} without {prefix}_v")
+                state[prefix] = torch._weight_norm(v.to(device), tensor.to(device), 0)
+            else:
+                state[name] = tensor
+        orphans = [k for k in stored if k.endswith(".weight_v") and k[: -len("_v")] + "_g" not in stored]
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected)) + orphans
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {path} does not match the AuK VAE: "
+                f"missing keys {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
+                f"unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(
+                    f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, "
+                    f"the module expects {tuple(expected[name].shape)}"
+                )
+        self.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in state.items()})
+        return self
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir, device="cpu") -> "AuKVAE":
+        """Read an AuK checkpoint directory (`config.json` + `vae.safetensors`), ready for inference."""
+        checkpoint_dir = Path(checkpoint_dir)
+        config_path = checkpoint_dir / "config.json"
+        weights_path = checkpoint_dir / "vae.safetensors"
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"AuK checkpoint {checkpoint_dir} has no {path.name}")
+        try:
+            config = json.loads(config_path.read_text())
+            section = config["vae"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{config_path} is not an AuK config with a 'vae' section: {err}") from None
+        vae = cls.from_config(section.get("model_init_kwargs", {}))
+        for key, actual in (
+            ("latent_dim", vae.latent_dim),
+            ("downsample_rate", vae.hop_size),
+            ("target_sample_rate", vae.sample_rate),
+        ):
+            if key in section and int(section[key]) != actual:
+                raise ValueError(f"{config_path}: vae.{key} is {section[key]}, but the codec it describes has {actual}")
+        vae = vae.to(device)
+        vae.load_weights(weights_path)
+        vae.eval().requires_grad_(False)
+        return vae
+
+    # ---- geometry ------------------------------------------------------------------------
+
+    def decode_context_frames(self) -> tuple[int, int]:
+        """Latent frames (left, right) that can change a frame's samples, for any weights.
+
+        Summed layer by layer in samples at the rate each layer runs, converted to
+        frames by that rate's samples per frame, then rounded up once at the end.
+        """
+        act_left, act_right = Activation1d.context_samples(self.act_causal)
+        left, right = 3.0, 3.0  # conv_pre: kernel 7, zero padding 3 on both sides
+        samples_per_frame = 1
+        for rate in self.upsample_rates:
+            left += 1.0 / samples_per_frame  # causal transposed conv: one input frame back
+            samples_per_frame *= rate
+            block_left = block_right = 0.0
+            for kernel, dilations in zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes):
+                reach_left = sum(d * (kernel - 1) + (kernel - 1) for d in dilations)
+                reach_left += 2 * len(dilations) * act_left
+                reach_right = 2 * len(dilations) * act_right
+                block_left = max(block_left, reach_left)
+                block_right = max(block_right, reach_right)
+            left += block_left / samples_per_frame
+            right += block_right / samples_per_frame
+        left += (act_left + 6) / samples_per_frame  # activation_post, conv_post (kernel 7)
+        right += act_right / samples_per_frame
+        return math.ceil(left - 1e-9), math.ceil(right - 1e-9)
+
+    # ---- inference -----------------------------------------------------------------------
+
+    def _check_float32(self, name: str, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {tensor.dtype}")
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents [B, frames, latent_dim] -> waveform [B, frames * hop_size] in [-1, 1]."""
+        self._check_float32("latents", latents)
+        if latents.dim() != 3 or latents.shape[-1] != self.latent_dim:
+            raise ValueError(
+                f"latents must be [batch, frames, {self.latent_dim}], got {list(latents.shape)}"
+            )
+        if latents.shape[1] == 0:
+            raise ValueError("latents have zero frames")
+        x = latents * torch.sqrt(self.global_log_std) + self.global_mean
+        x = self.conv_pre(x.transpose(1, 2))
+        blocks = len(self.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up[0](x)
+            stage = self.resblocks[i * blocks : (i + 1) * blocks]
+            acc = stage[0](x)
+            for block in stage[1:]:
+                acc = acc + block(x)
+            x = acc / blocks
+        x = self.conv_post(self.activation_post(x))
+        return torch.clamp(x, -1.0, 1.0).squeeze(1)
+
+    def zero_latent(self) -> torch.Tensor:
+        """The normalized latent that de-normalizes to raw zero: -mean / sqrt(var)."""
+        return -self.global_mean / torch.sqrt(self.global_log_std)
+
+    def encode(self, wav: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Mono [1, T] at the codec's rate -> normalized latents [1, T // hop_size, latent_dim].
+
+        The posterior mean, or a sample from the posterior when `generator` is given.
+        """
+        self._check_float32("wav", wav)
+        if wav.dim() != 2 or wav.shape[0] != 1:
+            raise ValueError(f"wav must be mono [1, samples], got {list(wav.shape)}")
+        if wav.shape[1] < self.hop_size:
+            raise ValueError(f"wav has {wav.shape[1]} samples, fewer than one hop ({self.hop_size})")
+        stats = self.audio_encoder(wav.unsqueeze(1))
+        mean, log_std = stats.chunk(2, dim=1)
+        raw = mean
+        if generator is not None:
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            raw = mean + noise * torch.exp(log_std)
+        latents = (raw - self.global_mean.view(1, -1, 1)) / torch.sqrt(self.global_log_std.view(1, -1, 1))
+        return latents.transpose(1, 2)[:, : wav.shape[1] // self.hop_size]
