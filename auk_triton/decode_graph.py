@@ -1,0 +1,286 @@
+"""CUDA-graph replay of the AuK codec decode, in three tiers.
+
+The decoder launches about a thousand small kernels per clip, so on a GPU it is
+bound by launch overhead, not by arithmetic. `AuKVAEDecodeGraph` replays it:
+
+1. Compiled bucket graphs, built by `warmup()` at service start: the decode goes
+   through `torch.compile` (Inductor fuses the elementwise chains), and one CUDA
+   graph is captured per bucket in `compile_shapes`. A shorter window is
+   right-padded to its bucket with the normalized latent that decodes to raw
+   zero, which is what the eager decode's own zero padding of `conv_pre` sees;
+   only the last `right` frames (the upsamplers' lookahead) can notice the pad.
+   Fused kernels round in another order, so these graphs are close to, not
+   bit-identical with, eager.
+2. Tiling: a clip longer than `tile_frames` is decoded in windows that overlap
+   by the decoder's receptive field (`AuKVAE.decode_context_frames()`); each
+   window contributes only frames whose whole context lies inside it, so the
+   stitched waveform equals the whole-clip decode up to rounding, and memory
+   stays that of one window however long the clip. `decode_tiles()` yields the
+   windows as they finish, for streaming.
+3. Plain graphs, captured on demand per exact window length, for lengths no
+   compiled bucket serves. They replay eager's kernels and are bit-identical with
+   it. They share one wrapper-private memory pool and are retired together: when
+   `max_graphs` is reached the whole generation and its pool are dropped, so no
+   surviving graph can hold an address that a destroyed graph released.
+
+Off CUDA, while an outer graph is being captured, or with `enabled=False`,
+everything runs eager (tiling included in `decode_tiles`).
+"""
+
+import logging
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .vae import AuKVAE
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_SHAPES: tuple[int, ...] = (128, 256, 512)
+
+
+def plan_tiles(
+    frames: int,
+    tile: int,
+    left: int,
+    right: int,
+    sizes: Sequence[int] = (),
+    first_tile: int | None = None,
+) -> list[tuple[int, int, int, int]]:
+    """Split a clip into decode windows: (window_start, window_frames, emit_start, emit_end).
+
+    Windows are `tile` frames wide. A window emits the frames that are at least
+    `left` frames after its start and `right` frames before its end, unless that
+    edge is the clip's own edge, so every emitted frame has its full decoder
+    context inside its window. The last window is pinned to the clip's end and
+    shrinks to the smallest of `sizes` that still holds the remaining frames plus
+    the left context. A clip that fits in one tile is one window of its own length.
+    `first_tile`, for a clip longer than a tile, makes the first window that
+    short, so the first audio of a long clip comes after one small decode.
+    """
+    if frames <= 0:
+        raise ValueError(f"a clip needs at least one frame, got {frames}")
+    if frames <= tile:
+        return [(0, frames, 0, frames)]
+    if tile <= left + right:
+        raise ValueError(f"tile of {tile} frames does not exceed the decode context {left} + {right}")
+    windows = []
+    emitted = 0
+    if first_tile is not None and first_tile < tile:
+        if first_tile <= right:
+            raise ValueError(f"first tile of {first_tile} frames does not exceed the right context {right}")
+        windows.append((0, first_tile, 0, first_tile - right))
+        emitted = first_tile - right
+    while True:
+        start = max(0, emitted - left)
+        if frames - start <= tile:
+            need = frames - emitted + left
+            fitting = [s for s in sizes if need <= s <= tile]
+            size = min(min(fitting, default=tile), frames)
+            windows.append((frames - size, size, emitted, frames))
+            return windows
+        end = start + tile - right
+        windows.append((start, tile, emitted, end))
+        emitted = end
+
+
+class _Graph:
+    """One captured decode: its graph, static input and static output."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_in: torch.Tensor, static_out: torch.Tensor):
+        self.graph, self.static_in, self.static_out = graph, static_in, static_out
+
+
+class AuKVAEDecodeGraph:
+    """Replay `AuKVAE.decode` for one clip per call."""
+
+    def __init__(
+        self,
+        vae: AuKVAE,
+        *,
+        enabled: bool = True,
+        frame_alignment: int = 1,
+        max_graphs: int = 32,
+        compile_shapes: Sequence[int] = DEFAULT_COMPILE_SHAPES,
+        tile_frames: int | None = None,
+        first_tile_frames: int | None = None,
+    ):
+        self.vae = vae
+        self.enabled = bool(enabled)
+        self.frame_alignment = max(1, int(frame_alignment))
+        self.max_graphs = max(1, int(max_graphs))
+        self.compile_shapes = sorted({int(size) for size in compile_shapes if int(size) > 0})
+        self.context_frames = vae.decode_context_frames()
+        if tile_frames is None:
+            tile_frames = max(self.compile_shapes, default=0)
+        self.tile_frames = max(0, int(tile_frames))
+        left, right = self.context_frames
+        if self.tile_frames and self.tile_frames <= left + right:
+            raise ValueError(
+                f"tile_frames={self.tile_frames} does not exceed the decode context "
+                f"{left} + {right} frames: no tile would emit anything"
+            )
+        self.first_tile_frames = int(first_tile_frames) if first_tile_frames else None
+        if self.first_tile_frames is not None and self.first_tile_frames <= right:
+            raise ValueError(f"first_tile_frames={self.first_tile_frames} does not exceed the right context {right}")
+        self.last_mode: str | None = None
+        self.captures = 0
+        self.generations_retired = 0
+        self._buckets: dict[int, _Graph] = {}
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = None
+        self._compiled_decode: Callable | None = None
+        self._zero_latent = vae.zero_latent()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def compiled_bucket(self, frames: int) -> int | None:
+        """The smallest compiled bucket that holds `frames` latents, or None past the largest."""
+        return min((b for b in self._buckets if b >= frames), default=None)
+
+    def warmup(self, device, on_bucket: Callable[[int, float, bool], None] | None = None) -> None:
+        """Compile the decode and capture every bucket in `compile_shapes`.
+
+        Meant for service start: each bucket costs one Inductor compilation. A
+        failure logs a warning and leaves that bucket to plain graphs.
+        `on_bucket(frames, seconds, ok)` is told about each bucket as it finishes.
+        """
+        device = torch.device(device)
+        if device.type != "cuda" or not self.enabled or not torch.cuda.is_available():
+            return
+        with torch.cuda.device(device), torch.no_grad():
+            if self._compiled_decode is None:
+                self._compiled_decode = torch.compile(self.vae.decode, dynamic=False)
+            for frames in self.compile_shapes:
+                if frames in self._buckets:
+                    continue
+                began = time.perf_counter()
+                try:
+                    self._buckets[frames] = self._capture(frames, self._compiled_decode, pool=None)
+                    ok = True
+                except Exception as err:  # a bucket that cannot compile falls back to plain graphs
+                    logger.warning("compiled bucket of %d frames failed, plain graphs serve it: %s", frames, err)
+                    ok = False
+                seconds = time.perf_counter() - began
+                logger.info("bucket %d frames: %s in %.1f s", frames, "ready" if ok else "failed", seconds)
+                if on_bucket is not None:
+                    on_bucket(frames, seconds, ok)
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one clip [1, frames, latent_dim] -> [1, frames * hop_size]."""
+        if not self._replayable(latents):
+            self.last_mode = "eager"
+            with torch.no_grad():
+                return self.vae.decode(latents)
+        frames = latents.shape[1]
+        if self.tile_frames and frames > self.tile_frames:
+            hop = self.vae.hop_size
+            out = torch.empty(1, frames * hop, device=latents.device, dtype=torch.float32)
+            for start, wave in self.decode_tiles(latents):
+                out[:, start * hop : start * hop + wave.shape[1]] = wave
+            self.last_mode = "tiled"
+            return out
+        return self._decode_window(latents).clone()
+
+    def decode_tiles(self, latents: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (emit_start_frame, waveform) per tile, in order, for a [1, frames, latent_dim] clip.
+
+        Waveforms are views into graph buffers where a graph served the tile: copy
+        them before the next tile if they must outlive the iteration.
+        """
+        self._check_clip(latents)
+        frames = latents.shape[1]
+        if not self.tile_frames:
+            plan = [(0, frames, 0, frames)]
+        else:
+            left, right = self.context_frames
+            plan = plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, self.first_tile_frames)
+        hop = self.vae.hop_size
+        for start, size, emit_start, emit_end in plan:
+            wave = self._decode_window(latents[:, start : start + size])
+            yield emit_start, wave[:, (emit_start - start) * hop : (emit_end - start) * hop]
+
+    # ---- tiers ---------------------------------------------------------------------------
+
+    def _check_clip(self, latents: torch.Tensor) -> None:
+        latent_dim = self.vae.latent_dim
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 3 or latents.shape[0] != 1:
+            shape = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise ValueError(f"expected one clip [1, frames, {latent_dim}], got {shape}")
+        if latents.shape[2] != latent_dim or latents.shape[1] == 0:
+            raise ValueError(f"expected one clip [1, frames >= 1, {latent_dim}], got {list(latents.shape)}")
+        if latents.dtype != torch.float32:
+            raise ValueError(f"latents must be float32, got {latents.dtype}")
+
+    def _replayable(self, latents: torch.Tensor) -> bool:
+        return (
+            self.enabled
+            and isinstance(latents, torch.Tensor)
+            and latents.is_cuda
+            and latents.dim() == 3
+            and latents.shape[0] == 1
+            and latents.shape[2] == self.vae.latent_dim
+            and latents.shape[1] > 0
+            and latents.dtype == torch.float32
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _decode_window(self, window: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if not self._replayable(window):
+                self.last_mode = "eager"
+                return self.vae.decode(window)
+            frames = window.shape[1]
+            bucket = self.compiled_bucket(frames)
+            if bucket is not None:
+                entry, self.last_mode = self._buckets[bucket], "compiled"
+            else:
+                aligned = -(-frames // self.frame_alignment) * self.frame_alignment
+                entry, self.last_mode = self._plain_graph(aligned, window.device), "graph"
+            self._load(entry.static_in, window)
+            entry.graph.replay()
+            return entry.static_out[:, : frames * self.vae.hop_size]
+
+    def _load(self, static_in: torch.Tensor, window: torch.Tensor) -> None:
+        """Copy a window into a graph's input, right-padded with the raw-zero latent."""
+        frames = window.shape[1]
+        static_in[:, :frames].copy_(window)
+        if frames < static_in.shape[1]:
+            static_in[:, frames:].copy_(self._zero_latent)
+
+    def _plain_graph(self, frames: int, device: torch.device) -> _Graph:
+        entry = self._graphs.get(frames)
+        if entry is None:
+            if len(self._graphs) >= self.max_graphs:
+                self._retire_generation()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.device(device):
+                entry = self._capture(frames, self.vae.decode, pool=self._pool)
+            self._graphs[frames] = entry
+            self.captures += 1
+        return entry
+
+    def _retire_generation(self) -> None:
+        torch.cuda.current_stream().synchronize()
+        self._graphs.clear()
+        self._pool = None
+        self.generations_retired += 1
+        logger.info("retired a generation of %d plain graphs", self.max_graphs)
+
+    def _capture(self, frames: int, decode: Callable, pool) -> _Graph:
+        device = self.vae.global_mean.device
+        static_in = self._zero_latent.to(device).expand(1, frames, -1).contiguous()
+        # Warm up on a side stream: compilation, autotuning and library handles
+        # must not happen inside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                decode(static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            static_out = decode(static_in)
+        return _Graph(graph, static_in, static_out)

@@ -1,0 +1,200 @@
+"""The AuK codec: conformance with the reference implementation, loading, geometry."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from auk_triton.synthetic import SYNTHETIC_WARNING, _released_state_dict, write_synthetic_checkpoint
+from auk_triton.vae import AuKVAE
+
+CONFORMANCE = Path(__file__).parent / "data" / "auk_vae_tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return AuKVAE.from_pretrained(CONFORMANCE)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("small"), "small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def small(small_dir):
+    return AuKVAE.from_pretrained(small_dir)
+
+
+@pytest.mark.parametrize("frames", [7, 64])
+def test_decode_reproduces_the_reference_implementation(tiny, frames):
+    latents = torch.from_numpy(np.load(CONFORMANCE / f"latents_{frames}.npy"))
+    expected = np.load(CONFORMANCE / f"decode_{frames}.npy")
+    decoded = tiny.decode(latents).numpy()
+    assert decoded.shape == expected.shape == (1, frames * 480)
+    np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=0)
+
+
+def test_encode_reproduces_the_reference_posterior_mean(tiny):
+    wav = torch.from_numpy(np.load(CONFORMANCE / "wav_4800.npy"))
+    expected = np.load(CONFORMANCE / "encode_4800.npy")
+    encoded = tiny.encode(wav).numpy()
+    assert encoded.shape == expected.shape == (1, 10, 8)
+    np.testing.assert_allclose(encoded, expected, atol=1e-5, rtol=0)
+
+
+def test_encode_samples_around_the_mean_when_given_a_generator(tiny):
+    wav = torch.from_numpy(np.load(CONFORMANCE / "wav_4800.npy"))
+    mean = tiny.encode(wav)
+    first = tiny.encode(wav, generator=torch.Generator().manual_seed(3))
+    again = tiny.encode(wav, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(first, again)
+    assert not torch.allclose(first, mean)
+
+
+def test_from_pretrained_is_ready_for_inference(tiny):
+    assert not tiny.training
+    assert all(not p.requires_grad for p in tiny.parameters())
+    assert (tiny.hop_size, tiny.sample_rate, tiny.latent_dim) == (480, 24000, 8)
+
+
+def test_released_geometry_has_the_documented_size_and_context():
+    vae = AuKVAE.from_config({})
+    decoder = sum(p.numel() for n, p in vae.named_parameters() if not n.startswith("audio_encoder."))
+    assert round(decoder / 1e6, 1) == 114.5
+    assert vae.decode_context_frames() == (53, 9)
+
+
+def test_from_config_ignores_training_only_keys_and_refuses_use_vae_false():
+    vae = AuKVAE.from_config({"latent_dim": 8, "upsample_initial_channel": 64, "lambda_kl": 0.1})
+    assert vae.latent_dim == 8
+    with pytest.raises(ValueError, match="use_vae"):
+        AuKVAE.from_config({"use_vae": False})
+
+
+def test_decode_context_frames_is_a_true_bound(small):
+    left, right = small.decode_context_frames()
+    generator = torch.Generator().manual_seed(0)
+    frames, hop = 150, small.hop_size
+    latents = torch.randn(1, frames, 64, generator=generator)
+    base = small.decode(latents).view(frames, hop)
+    for frame in (0, 40, 75, 149):
+        changed = latents.clone()
+        changed[0, : max(0, frame - left)] = torch.randn(max(0, frame - left), 64, generator=generator)
+        beyond = frames - (frame + right + 1)
+        if beyond > 0:
+            changed[0, frame + right + 1 :] = torch.randn(beyond, 64, generator=generator)
+        assert torch.equal(small.decode(changed).view(frames, hop)[frame], base[frame])
+
+
+def test_decode_context_frames_is_not_wildly_loose(small):
+    left, right = small.decode_context_frames()
+    frames, probe, hop = 160, 80, small.hop_size
+    latents = torch.randn(1, frames, 64, generator=torch.Generator().manual_seed(1))
+    base = small.decode(latents)
+    poked = latents.clone()
+    poked[0, probe] += 3.0
+    changed = torch.nonzero((small.decode(poked) - base).view(frames, hop).abs().amax(1) > 0).flatten()
+    reach_left = changed.max().item() - probe  # later frames see the poked one through their left context
+    reach_right = probe - changed.min().item()
+    assert reach_left <= left and reach_right <= right
+    assert left + right <= 1.3 * (reach_left + reach_right), (reach_left, reach_right)
+
+
+@pytest.mark.parametrize(
+    "latents, message",
+    [
+        (torch.zeros(2, 5), "latents must be"),
+        (torch.zeros(1, 5, 32), "latents must be"),
+        (torch.zeros(1, 5, 64, dtype=torch.float64), "float32"),
+        (torch.zeros(1, 0, 64), "zero frames"),
+    ],
+)
+def test_decode_rejects_bad_latents_with_a_clear_error(small, latents, message):
+    with pytest.raises(ValueError, match=message):
+        small.decode(latents)
+
+
+def test_encode_rejects_stereo_and_wrong_dtype(tiny):
+    with pytest.raises(ValueError, match="mono"):
+        tiny.encode(torch.zeros(2, 4800))
+    with pytest.raises(ValueError, match="float32"):
+        tiny.encode(torch.zeros(1, 4800, dtype=torch.float64))
+
+
+def test_synthetic_audio_is_audible_but_not_clipped(small, small_dir):
+    wave = small.decode(torch.randn(1, 100, 64, generator=torch.Generator().manual_seed(2)))
+    rms = wave.pow(2).mean().sqrt().item()
+    assert 0.05 <= rms <= 0.5
+    assert (wave.abs() >= 1.0).float().mean().item() < 1e-3
+    config = json.loads((small_dir / "config.json").read_text())
+    assert config["synthetic"]["warning"] == SYNTHETIC_WARNING
+
+
+def test_synthetic_checkpoint_is_seeded(tmp_path, small_dir):
+    again = write_synthetic_checkpoint(tmp_path / "again", "small", seed=0)
+    other = write_synthetic_checkpoint(tmp_path / "other", "small", seed=1)
+    first, second = load_file(small_dir / "vae.safetensors"), load_file(again / "vae.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    third = load_file(other / "vae.safetensors")
+    assert not torch.equal(first["conv_pre.weight_v"], third["conv_pre.weight_v"])
+
+
+def _copy_checkpoint(src: Path, dst: Path, edit=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit is not None:
+        state = load_file(dst / "vae.safetensors")
+        edit(state)
+        save_file(state, dst / "vae.safetensors")
+    return dst
+
+
+def test_checkpoint_round_trips_through_the_released_layout(tmp_path, small, small_dir):
+    assert any(k.endswith(".weight_g") for k in load_file(small_dir / "vae.safetensors"))
+    resaved = _copy_checkpoint(small_dir, tmp_path / "resaved")
+    save_file(_released_state_dict(small), resaved / "vae.safetensors")
+    reloaded = AuKVAE.from_pretrained(resaved)
+    latents = torch.randn(1, 20, 64, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(reloaded.decode(latents), small.decode(latents), atol=1e-6, rtol=0)
+
+
+def test_flow_tensors_are_skipped(tmp_path, small_dir):
+    def add_flow(state):
+        state["flow.coupling.0.weight"] = torch.ones(3, 3)
+
+    AuKVAE.from_pretrained(_copy_checkpoint(small_dir, tmp_path / "flow", add_flow))
+
+
+def test_a_stray_key_fails_the_load_naming_it(tmp_path, small_dir):
+    def add_stray(state):
+        state["conv_pre.extra"] = torch.ones(1)
+
+    with pytest.raises(ValueError, match="conv_pre.extra"):
+        AuKVAE.from_pretrained(_copy_checkpoint(small_dir, tmp_path / "stray", add_stray))
+
+
+def test_a_missing_key_fails_the_load_naming_it(tmp_path, small_dir):
+    with pytest.raises(ValueError, match="resblocks.4.convs2.1.bias"):
+        AuKVAE.from_pretrained(
+            _copy_checkpoint(small_dir, tmp_path / "missing", lambda s: s.pop("resblocks.4.convs2.1.bias"))
+        )
+
+
+def test_a_config_that_disagrees_with_the_module_fails_the_load(tmp_path, small_dir):
+    broken = _copy_checkpoint(small_dir, tmp_path / "mismatch")
+    config = json.loads((broken / "config.json").read_text())
+    config["vae"]["downsample_rate"] = 512
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="downsample_rate"):
+        AuKVAE.from_pretrained(broken)
+
+
+def test_a_checkpoint_directory_without_weights_fails_naming_the_file(tmp_path, small_dir):
+    broken = _copy_checkpoint(small_dir, tmp_path / "noweights")
+    (broken / "vae.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="vae.safetensors"):
+        AuKVAE.from_pretrained(broken)
