@@ -1,0 +1,207 @@
+"""End-to-end decode latency through a real Triton server, against the same decode in-process.
+
+One run, one GPU: first the decode in this process (the wrapper the model uses,
+warmed up the same way), then a real `tritonserver` serving `model_repository/`
+on the same synthetic checkpoint, driven over gRPC streaming by `concurrency`
+clients, each on its own persistent stream. Time to first audio is the arrival
+of the first tile; total is the final response. The serving overhead is the
+server's median total over the in-process median total at concurrency 1.
+Weights are synthetic (seeded, not real audio); speed depends on geometry only.
+
+    python benchmarks/bench_serving.py --preset auk --seconds 2 10 60 --concurrency 1 4 16
+"""
+
+import argparse
+import datetime
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from auk_triton.decode_graph import AuKVAEDecodeGraph
+from auk_triton.server import server_command
+from auk_triton.synthetic import write_synthetic_checkpoint
+from auk_triton.vae import AuKVAE
+
+FRAMES_PER_SECOND = 50
+MODEL = "auk_vae_decode"
+
+
+def percentile(values, q):
+    return float(np.percentile(np.asarray(values), q))
+
+
+def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None) -> dict:
+    """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does."""
+    vae = AuKVAE.from_pretrained(checkpoint, device="cuda")
+    graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames)
+    graph.warmup("cuda")
+    results = {}
+    for seconds in seconds_list:
+        latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device="cuda")
+        firsts, totals = [], []
+        for rep in range(reps + 2):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            first = None
+            for _, wave in graph.decode_tiles(latents):
+                wave.cpu()
+                if first is None:
+                    first = time.perf_counter() - began
+            total = time.perf_counter() - began
+            if rep >= 2:
+                firsts.append(first * 1e3)
+                totals.append(total * 1e3)
+        results[seconds] = (statistics.median(firsts), statistics.median(totals))
+    one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device="cuda")
+    tile_times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        graph(one_tile).cpu()
+        tile_times.append((time.perf_counter() - began) * 1e3)
+    results["one_tile_ms"] = statistics.median(tile_times[5:])
+    del graph, vae
+    torch.cuda.empty_cache()
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(checkpoint: Path, cache: Path, log_path: Path):
+    import tritonclient.grpc as grpcclient
+
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu")
+    argv, env = server_command(ports=ports, env=env, extra_args=["--log-verbose=0"])
+    log = open(log_path, "w")
+    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{ports['grpc']}"
+    began = time.perf_counter()
+    client = grpcclient.InferenceServerClient(url)
+    while time.perf_counter() - began < 480:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
+        try:
+            if client.is_model_ready(MODEL):
+                print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
+                return process, url
+        except Exception:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"tritonserver not ready after 480 s; see {log_path}")
+
+
+def client_loop(url: str, latents: np.ndarray, reps: int, out: list, barrier: threading.Barrier) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    responses = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+    inputs = [grpcclient.InferInput("LATENTS", list(latents.shape), "FP32")]
+    inputs[0].set_data_from_numpy(latents)
+    barrier.wait()
+    for _ in range(reps):
+        sent = time.perf_counter()
+        client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+        first = None
+        while True:
+            arrived, result, error = responses.get(timeout=300)
+            if error is not None:
+                raise RuntimeError(str(error))
+            if first is None and result.as_numpy("WAVEFORM") is not None:
+                first = arrived - sent
+            params = result.get_response().parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                out.append((first * 1e3, (arrived - sent) * 1e3))
+                break
+    client.stop_stream()
+    client.close()
+
+
+def load(url: str, seconds: float, concurrency: int, reps: int) -> dict:
+    latents = np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
+    client_loop(url, latents, 2, [], threading.Barrier(1))  # warm the connection and the plain graphs
+    samples: list = []
+    barrier = threading.Barrier(concurrency + 1)
+    threads = [
+        threading.Thread(target=client_loop, args=(url, latents, reps, samples, barrier)) for _ in range(concurrency)
+    ]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - began
+    firsts, totals = [s[0] for s in samples], [s[1] for s in samples]
+    return {
+        "first_p50": statistics.median(firsts), "first_p99": percentile(firsts, 99),
+        "total_p50": statistics.median(totals), "total_p99": percentile(totals, 99),
+        "audio_s_per_s": len(samples) * seconds / wall, "requests": len(samples),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="auk")
+    parser.add_argument("--seconds", type=float, nargs="+", default=[2, 10, 60])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--reps", type=int, default=8, help="requests per client per cell")
+    parser.add_argument("--first-tile-frames", type=int, default=None,
+                        help="as the served model's first_tile_frames parameter (empty there: off)")
+    parser.add_argument("--cache-dir", default=None, help="AUK_CACHE_DIR for the server (compile caches)")
+    parser.add_argument("--log", default="tritonserver.log")
+    args = parser.parse_args()
+
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-serving-"))
+    checkpoint = write_synthetic_checkpoint(cache / "bench_checkpoint", args.preset)
+    print(f"# AuK serving, {args.preset} (synthetic), {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{datetime.date.today()}", flush=True)
+
+    local = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames)
+    print(f"in-process: one {512}-frame tile {local['one_tile_ms']:.2f} ms", flush=True)
+    for seconds in args.seconds:
+        print(f"in-process {seconds:g} s: first tile {local[seconds][0]:.2f} ms, total {local[seconds][1]:.2f} ms",
+              flush=True)
+
+    process, url = start_server(checkpoint, cache, Path(args.log))
+    try:
+        print("| audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s | in-process total ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+        rows = {}
+        for seconds in args.seconds:
+            for concurrency in args.concurrency:
+                row = load(url, seconds, concurrency, args.reps)
+                rows[seconds, concurrency] = row
+                print(f"| {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
+                      f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "
+                      f"{local[seconds][1]:.1f} |", flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+    if (10, 1) in rows or (10.0, 1) in rows:
+        row = rows[10.0, 1]
+        overhead = row["total_p50"] / local[10.0][1] - 1
+        print(f"serving overhead, 10 s clip, concurrency 1: {overhead * 100:.1f}% of the in-process decode")
+    if (60.0, 1) in rows:
+        ratio = rows[60.0, 1]["first_p50"] / local["one_tile_ms"]
+        print(f"time to first audio, 60 s clip, concurrency 1: {ratio:.2f} x one tile's decode")
+
+
+if __name__ == "__main__":
+    main()
