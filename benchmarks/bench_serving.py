@@ -85,7 +85,8 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path):
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu")
-    argv, env = server_command(ports=ports, env=env, extra_args=["--log-verbose=0"])
+    argv, env = server_command(ports=ports, env=env, extra_args=[
+        "--model-control-mode=explicit", f"--load-model={MODEL}", "--exit-timeout-secs=5"])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{ports['grpc']}"

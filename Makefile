@@ -1,0 +1,38 @@
+# Two entry points: `make serve` and `make test`. Both build the virtual
+# environment at $(VENV) once; a stamp file remembers what was installed, so
+# the second run only starts the server or the tests.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+# The torch requirement. The default resolves to the CPU wheel where pip's
+# find-links offer one; on a CUDA machine pass a CUDA build, for example
+#   make serve TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+VPY   := $(VENV)/bin/python
+# The stamp is named after TORCH_SPEC, so asking for another torch reinstalls.
+STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
+
+.PHONY: venv serve test clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install $(TORCH_SPEC)
+	$(VPY) -m pip install -r requirements.txt
+	$(VPY) -m pip install -e ".[client,test]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Triton in the foreground on model_repository/ (ports from AUK_HTTP_PORT,
+# AUK_GRPC_PORT, AUK_METRICS_PORT; checkpoint from AUK_CHECKPOINT).
+serve: $(STAMP)
+	$(VPY) -m auk_triton.server
+
+test: $(STAMP)
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache

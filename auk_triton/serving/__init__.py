@@ -1,0 +1,1 @@
+"""Triton Inference Server model code for the AuK decode (see vae_decode_model)."""

@@ -1,0 +1,279 @@
+"""Triton Python-backend model: AuK latents in, waveform out, one response per tile.
+
+Both `model_repository/auk_vae_decode` (decoupled: streams one response per
+tile, then the final flag) and `model_repository/auk_vae_decode_offline` (one
+response with the whole waveform) import this class; the loaded config's
+transaction policy picks the mode. The two modes run the same tiled decode, so
+the concatenated stream equals the offline waveform.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from auk_triton.decode_graph import AuKVAEDecodeGraph
+from auk_triton.serving.settings import (
+    DEFAULT_PRESET,
+    DecodeSettings,
+    RequestError,
+    synthetic_checkpoint,
+    validate_latents,
+)
+from auk_triton.synthetic import SYNTHETIC_WARNING
+from auk_triton.vae import AuKVAE
+
+TIERS = ("compiled", "graph", "eager")
+
+
+def _log(level: str, message: str) -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is None:
+        print(f"auk_vae_decode {level}: {message}", flush=True)
+    else:
+        getattr(logger, f"log_{level}")(message)
+
+
+def _tensor(name: str, value: torch.Tensor):
+    """An output tensor passed by DLPack.
+
+    Not `pb_utils.Tensor(name, ndarray)`: the Python backend of Triton 2.51
+    reads numpy 2 arrays with numpy 1's layout and sends empty or wrong data,
+    while DLPack describes the buffer itself.
+    """
+    return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
+
+
+def _error(message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+def _instance_device(kind: str, device_id: str) -> torch.device:
+    if kind != "GPU":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the model instance is KIND_GPU but torch {torch.__version__} sees no CUDA device; "
+            "install a CUDA build of torch or serve the KIND_CPU config"
+        )
+    index = int(device_id)
+    # Pin the device before anything is allocated or captured on it.
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class DecodeMetrics:
+    """The model's counters on Triton's metrics port; no-ops where the backend has no MetricFamily."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._families = []
+        self._tiles = self._audio = self._captures = self._retired = None
+        self._seconds: dict[str, object] = {}
+        self._seen_captures = self._seen_retired = 0
+        family_cls = getattr(pb_utils, "MetricFamily", None)
+        if family_cls is None:
+            _log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
+            return
+        try:
+
+            def counter(name: str, description: str):
+                family = family_cls(name=name, description=description, kind=family_cls.COUNTER)
+                self._families.append(family)
+                return family
+
+            self._tiles = counter("auk_vae_tiles_sent_total", "Decoded tiles sent (streamed or concatenated)").Metric(
+                labels=labels
+            )
+            self._audio = counter("auk_vae_audio_seconds_total", "Seconds of audio decoded and sent").Metric(
+                labels=labels
+            )
+            seconds = counter(
+                "auk_vae_decode_seconds_total", "Wall time decoding tiles, by tier (compiled, graph, eager)"
+            )
+            self._seconds = {tier: seconds.Metric(labels={**labels, "tier": tier}) for tier in TIERS}
+            self._captures = counter("auk_vae_graph_captures_total", "Plain CUDA graphs captured").Metric(
+                labels=labels
+            )
+            self._retired = counter(
+                "auk_vae_graph_generations_retired_total", "Generations of plain CUDA graphs retired"
+            ).Metric(labels=labels)
+        except Exception as err:  # metrics disabled on the server, or an older backend
+            _log("warn", f"custom metrics are unavailable ({err}); the model exports none")
+            self._families, self._seconds = [], {}
+            self._tiles = self._audio = self._captures = self._retired = None
+
+    def tile(self, tier: str | None, seconds: float, audio_seconds: float) -> None:
+        if self._tiles is None:
+            return
+        self._tiles.increment(1)
+        self._audio.increment(audio_seconds)
+        metric = self._seconds.get(tier or "eager")
+        if metric is not None:
+            metric.increment(seconds)
+
+    def graphs(self, graph: AuKVAEDecodeGraph) -> None:
+        """Bring the capture and retirement counters up to the graph wrapper's own."""
+        if self._captures is None:
+            return
+        if graph.captures > self._seen_captures:
+            self._captures.increment(graph.captures - self._seen_captures)
+            self._seen_captures = graph.captures
+        if graph.generations_retired > self._seen_retired:
+            self._retired.increment(graph.generations_retired - self._seen_retired)
+            self._seen_retired = graph.generations_retired
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        model_dir = Path(args["model_repository"])
+        self.settings = settings = DecodeSettings.from_model_config(self.model_config, model_dir)
+        settings.use_compile_cache()
+        self.device = _instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+
+        checkpoint = settings.checkpoint
+        if not checkpoint:
+            preset = os.environ.get("AUK_PRESET") or DEFAULT_PRESET
+            _log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
+                         f"serving the synthetic '{preset}' preset")
+            _log("warn", f"*** {SYNTHETIC_WARNING} ***")
+            checkpoint = synthetic_checkpoint(settings.cache_dir, preset)
+        began = time.perf_counter()
+        try:
+            self.vae = AuKVAE.from_pretrained(checkpoint, device=self.device)
+        except (OSError, ValueError) as err:
+            where = "" if str(checkpoint) in str(err) else f" {checkpoint}"
+            raise RuntimeError(f"cannot load the AuK checkpoint{where}: {err}") from err
+        self._check_io_config()
+        _log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
+
+        extra = {"first_tile_frames": settings.first_tile_frames} if settings.first_tile_frames else {}
+        self.graph = AuKVAEDecodeGraph(
+            self.vae,
+            enabled=settings.enable_cuda_graphs,
+            frame_alignment=settings.frame_alignment,
+            max_graphs=settings.max_graphs,
+            compile_shapes=settings.compile_shapes,
+            tile_frames=settings.tile_frames,
+            **extra,
+        )
+
+        def on_bucket(frames: int, seconds: float, ok: bool) -> None:
+            state = "compiled and captured" if ok else "FAILED (plain graphs serve it)"
+            _log("info" if ok else "warn", f"{self.name}: bucket of {frames} frames {state} in {seconds:.1f} s")
+
+        began = time.perf_counter()
+        self.graph.warmup(self.device, on_bucket=on_bucket)
+        self.metrics = DecodeMetrics({"model": self.name, "version": str(args["model_version"])})
+        self.metrics.graphs(self.graph)
+        self.frame_rate = self.vae.sample_rate / self.vae.hop_size
+        _log(
+            "info",
+            f"{self.name}: ready ({'decoupled, one response per tile' if self.decoupled else 'one response per request'}; "
+            f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s)",
+        )
+
+    def _check_io_config(self) -> None:
+        """The config's LATENTS width must be the checkpoint's latent_dim."""
+        for entry in self.model_config.get("input", []):
+            dims = [int(d) for d in entry.get("dims", [])]
+            if entry.get("name") == "LATENTS" and len(dims) == 2 and dims[1] not in (-1, self.vae.latent_dim):
+                raise RuntimeError(
+                    f"config.pbtxt declares LATENTS dims {dims}, but the checkpoint decodes "
+                    f"latent_dim {self.vae.latent_dim}: set dims to [-1, {self.vae.latent_dim}]"
+                )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return [self._respond(request) for request in requests]
+        for request in requests:
+            self._stream(request)
+        return None
+
+    def _latents(self, request) -> torch.Tensor:
+        tensor = pb_utils.get_input_tensor_by_name(request, "LATENTS")
+        # DLPack rather than as_numpy(), which misreads the buffer under numpy 2 (see _tensor).
+        array = validate_latents(
+            None if tensor is None else torch.from_dlpack(tensor.to_dlpack()).numpy(),
+            self.vae.latent_dim,
+            self.settings.max_frames,
+            self.frame_rate,
+        )
+        return torch.from_numpy(array).to(self.device).unsqueeze(0)
+
+    def _tiles(self, latents: torch.Tensor):
+        """Yield (start_sample, float32 waveform on the host) per decoded tile, in order."""
+        hop, rate = self.vae.hop_size, self.vae.sample_rate
+        tiles = self.graph.decode_tiles(latents)
+        try:
+            while True:
+                began = time.perf_counter()
+                item = next(tiles, None)
+                if item is None:
+                    return
+                start_frame, wave = item
+                # Off the graph buffers before the next tile overwrites them.
+                host = wave[0].to("cpu", dtype=torch.float32, copy=True)
+                self.metrics.tile(self.graph.last_mode, time.perf_counter() - began, host.numel() / rate)
+                yield start_frame * hop, host
+        finally:
+            tiles.close()
+            self.metrics.graphs(self.graph)
+
+    def _respond(self, request):
+        try:
+            parts = [wave for _, wave in self._tiles(self._latents(request))]
+            waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return pb_utils.InferenceResponse(
+                output_tensors=[
+                    _tensor("WAVEFORM", waveform),
+                    _tensor("START_SAMPLE", torch.zeros(1, dtype=torch.int64)),
+                ]
+            )
+        except RequestError as err:
+            return _error(str(err))
+        except Exception as err:
+            _log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
+            return _error(f"decode failed: {type(err).__name__}: {err}")
+
+    def _stream(self, request) -> None:
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            latents = self._latents(request)
+            if not sender.is_cancelled():
+                for start, wave in self._tiles(latents):
+                    sender.send(
+                        pb_utils.InferenceResponse(
+                            output_tensors=[
+                                _tensor("WAVEFORM", wave),
+                                _tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
+                            ]
+                        )
+                    )
+                    if sender.is_cancelled():
+                        _log("info", f"{self.name}: request cancelled after the tile at sample {start}")
+                        break
+            sender.send(flags=final)
+        except RequestError as err:
+            sender.send(_error(str(err)), flags=final)
+        except Exception as err:
+            _log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
+            try:
+                sender.send(_error(f"decode failed: {type(err).__name__}: {err}"), flags=final)
+            except Exception as send_err:  # the final flag was already sent, or the client is gone
+                _log("error", f"{self.name}: could not send the error response: {send_err}")
+
+    def finalize(self):
+        self.graph = self.vae = self.metrics = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,198 @@
+"""The decode models on a real tritonserver, through the real tritonclient gRPC and HTTP clients."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph, plan_tiles
+
+HOP = 480
+STREAM_MODEL = "auk_vae_decode"
+OFFLINE_MODEL = "auk_vae_decode_offline"
+
+
+def make_latents(frames: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
+
+
+def library_tiles(vae, latents: np.ndarray, tile_frames: int) -> list[tuple[int, np.ndarray]]:
+    """The library's tiled decode with the server's tile size: (start sample, waveform) per tile."""
+    graph = AuKVAEDecodeGraph(vae, tile_frames=tile_frames)
+    with torch.no_grad():
+        return [
+            (start * vae.hop_size, wave[0].clone().numpy())
+            for start, wave in graph.decode_tiles(torch.from_numpy(latents)[None])
+        ]
+
+
+def assert_tiles_match(got: list[tuple[int, np.ndarray]], expected: list[tuple[int, np.ndarray]]) -> None:
+    assert [start for start, _ in got] == [start for start, _ in expected]
+    for (start, wave), (_, reference) in zip(got, expected):
+        assert wave.dtype == np.float32 and wave.shape == reference.shape, f"tile at sample {start}"
+        np.testing.assert_allclose(wave, reference, rtol=0, atol=1e-6, err_msg=f"tile at sample {start}")
+
+
+def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_stitch_to_the_library_decode(
+    triton, open_stream, reference_vae
+):
+    latents = make_latents(300, seed=1)
+    expected = library_tiles(reference_vae, latents, triton.tile_frames)
+    assert len(expected) >= 4, "the clip should span several tiles"
+
+    stream = open_stream()
+    stream.send(latents, request_id="long")
+    outcome = stream.collect()["long"]
+
+    assert outcome.error is None
+    assert outcome.events == ["tile"] * len(expected) + ["final"], "one response per tile, the final flag last"
+    assert_tiles_match(outcome.tiles, expected)
+    # Each tile starts where the previous one ended.
+    ends = [start + wave.size for start, wave in outcome.tiles]
+    assert [start for start, _ in outcome.tiles] == [0] + ends[:-1]
+    waveform = outcome.waveform()
+    assert waveform.shape == (300 * HOP,)
+    # The whole-clip decode differs from the tiled one only in float rounding order.
+    with torch.no_grad():
+        whole = reference_vae.decode(torch.from_numpy(latents)[None])[0].numpy()
+    np.testing.assert_allclose(waveform, whole, rtol=0, atol=1e-5)
+
+
+def test_several_concurrent_streams_each_get_their_own_tiles_in_order(triton, open_stream, reference_vae):
+    # Three streams at once; the last one carries two requests whose responses interleave on it.
+    jobs = {
+        0: {"a": make_latents(140, seed=10)},
+        1: {"b": make_latents(130, seed=11)},
+        2: {"c": make_latents(70, seed=12), "d": make_latents(9, seed=13)},
+    }
+    streams = {index: open_stream() for index in jobs}
+    outcomes, failures = {}, []
+
+    def run(index: int) -> None:
+        try:
+            for request_id, latents in jobs[index].items():
+                streams[index].send(latents, request_id=request_id)
+            outcomes.update(streams[index].collect(timeout=300))
+        except Exception as err:  # reported below, on the test's thread
+            failures.append(f"stream {index}: {err!r}")
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=360)
+    assert not failures, failures
+    assert sorted(outcomes) == ["a", "b", "c", "d"]
+    for index, requests in jobs.items():
+        for request_id, latents in requests.items():
+            outcome = outcomes[request_id]
+            expected = library_tiles(reference_vae, latents, triton.tile_frames)
+            assert outcome.error is None, outcome.error
+            assert outcome.events == ["tile"] * len(expected) + ["final"], request_id
+            assert_tiles_match(outcome.tiles, expected)
+
+
+def test_a_cancelled_stream_ends_early_and_the_server_keeps_serving(triton, open_stream, reference_vae):
+    labels = {"model": STREAM_MODEL}
+    tiles_before = triton.metric("auk_vae_tiles_sent_total", **labels)
+    notice = "cancelled after the tile"
+    notices_before = triton.log().count(notice)
+    latents = make_latents(4000, seed=20)  # about 60 tiles of 128 frames: many seconds on the CPU
+    left, right = reference_vae.decode_context_frames()
+    total_tiles = len(plan_tiles(latents.shape[0], triton.tile_frames, left, right, DEFAULT_COMPILE_SHAPES))
+
+    stream = open_stream()
+    stream.send(latents, request_id="cancel-me")
+    request_id, outcome = stream.next_event(timeout=120)
+    assert outcome.events == ["tile"], outcome.error
+    stream.close(cancel=True)
+
+    # The model notices between tiles, logs it, and stops: the tile counter ends well short of the clip.
+    deadline = time.monotonic() + 120
+    while triton.log().count(notice) == notices_before:
+        assert time.monotonic() < deadline, "the server never reported the cancellation"
+        time.sleep(0.2)
+    sent = triton.metric("auk_vae_tiles_sent_total", **labels) - tiles_before
+    assert sent < total_tiles / 2, f"{sent} of {total_tiles} tiles were decoded"
+    assert triton.is_ready()
+
+    fresh = open_stream()
+    fresh.send(make_latents(20, seed=21), request_id="after")
+    after = fresh.collect()["after"]
+    assert after.error is None and after.events == ["tile", "final"]
+
+
+def test_the_offline_model_over_http_returns_the_whole_waveform_the_stream_gives(http_client, open_stream):
+    import tritonclient.http as httpclient
+
+    latents = make_latents(200, seed=30)
+    tensor = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
+    tensor.set_data_from_numpy(latents, binary_data=True)
+    result = http_client.infer(OFFLINE_MODEL, [tensor])
+    waveform = result.as_numpy("WAVEFORM")
+    assert waveform.dtype == np.float32 and waveform.shape == (200 * HOP,)
+    assert result.as_numpy("START_SAMPLE").tolist() == [0]
+
+    stream = open_stream()
+    stream.send(latents, request_id="same")
+    streamed = stream.collect()["same"]
+    assert len(streamed.tiles) > 1
+    # The same tiled decode path: identical samples.
+    np.testing.assert_array_equal(waveform, streamed.waveform())
+
+
+def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_streams_every_tile(
+    triton, reference_vae
+):
+    latents = make_latents(150, seed=40)
+    body = json.dumps({"LATENTS": latents.reshape(-1).tolist()}).encode()
+    request = urllib.request.Request(
+        f"http://{triton.http_url}/v2/models/{STREAM_MODEL}/generate_stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        assert reply.status == 200
+        for raw in reply:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:") :]))
+    assert events and all("error" not in event for event in events), events[:1]
+    tiles = [
+        (int(np.ravel(event["START_SAMPLE"])[0]), np.asarray(event["WAVEFORM"], dtype=np.float32))
+        for event in events
+        if "WAVEFORM" in event
+    ]
+    assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton.tile_frames))
+
+
+def test_metrics_count_tiles_audio_seconds_and_decode_time_per_tier(triton, open_stream):
+    labels = {"model": STREAM_MODEL}
+    names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total")
+    before = {name: triton.metric(name, **labels) for name in names}
+    eager_before = triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels)
+
+    frames = 140
+    stream = open_stream()
+    stream.send(make_latents(frames, seed=50), request_id="counted")
+    outcome = stream.collect()["counted"]
+    assert outcome.error is None
+
+    assert triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] == len(outcome.tiles)
+    audio = triton.metric("auk_vae_audio_seconds_total", **labels) - before[names[1]]
+    assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
+    # On the CPU every tile is eager.
+    assert triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels) > eager_before
+    text = triton.metrics()
+    for name in ("auk_vae_graph_captures_total", "auk_vae_graph_generations_retired_total"):
+        assert re.search(rf'^{name}{{model="{STREAM_MODEL}"', text, re.MULTILINE), name
+    # Triton's own metrics are still there, next to ours.
+    assert "nv_inference_request_success" in text
