@@ -1,0 +1,284 @@
+"""Client for the AuK pipeline ensemble: text condition in, streamed audio out.
+
+- `stream_pipeline(prompt_embeds, seconds, seed)` sends one request to the
+  ensemble `auk_pipeline` (auk_dit -> auk_vae_decode) over a gRPC stream and
+  yields a `Tile` for every decoded tile as it arrives.
+- `generate_latents(...)` asks `auk_dit` alone for the latents of the same request.
+
+Prompt embeddings are the fused text condition of AuK's encoder stage,
+[tokens, 2048], read from a `.npy` file. That encoder is not served by this
+project: `random_prompt_embeds` gives seeded stand-ins, which exercise the
+serving path but do not describe any sound.
+
+    python -m auk_client.pipeline --prompt-embeds prompt.npy --seconds 10 -o out.wav
+    python -m auk_client.pipeline --random-tokens 32 --seconds 10 --seed 1 -o out.wav
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+import uuid
+from typing import Iterator
+
+import numpy as np
+
+from .stream import (
+    DEFAULT_GRPC_URL,
+    DEFAULT_TIMEOUT_S,
+    SAMPLE_RATE,
+    START_SAMPLE,
+    WAVEFORM,
+    AuKClientError,
+    BadInput,
+    Tile,
+    _describe_grpc_error,
+    _strip_scheme,
+    check_latents,
+)
+from .wavio import FLOAT32, PCM16, WavWriter
+
+PIPELINE_MODEL = "auk_pipeline"
+DIT_MODEL = "auk_dit"
+TEXT_DIM = 2048
+DEFAULT_PIPELINE_TIMEOUT_S = max(DEFAULT_TIMEOUT_S, 600.0)  # the DiT runs before the first tile
+
+
+def check_prompt_embeds(embeds: np.ndarray, what: str = "prompt embeddings") -> np.ndarray:
+    """Accept [tokens, 2048] or [1, tokens, 2048]; return C-contiguous float32 [tokens, 2048]."""
+    arr = np.asarray(embeds)
+    if arr.ndim == 3 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] != TEXT_DIM:
+        raise BadInput(f"{what} must have shape [tokens >= 1, {TEXT_DIM}], got {list(np.shape(embeds))}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not np.isfinite(arr).all():
+        raise BadInput(f"{what} contain NaN or infinite values")
+    return arr
+
+
+def load_prompt_embeds(path: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise BadInput(f"no such prompt embeddings file: {path}") from None
+    except (ValueError, OSError) as exc:
+        raise BadInput(f"cannot read {path} as a .npy array: {exc}") from None
+    return check_prompt_embeds(arr, what=f"prompt embeddings in {path}")
+
+
+def random_prompt_embeds(tokens: int, seed: int) -> np.ndarray:
+    """Seeded standard-normal [tokens, 2048]: a stand-in for the encoder stage's output."""
+    if tokens < 1:
+        raise BadInput(f"the number of stand-in prompt tokens must be at least 1, got {tokens}")
+    return np.random.default_rng(seed).standard_normal((tokens, TEXT_DIM)).astype(np.float32)
+
+
+def pipeline_inputs(
+    client_module,
+    prompt_embeds: np.ndarray,
+    seconds: float,
+    seed: int,
+    *,
+    num_steps: int | None = None,
+    guidance: float | None = None,
+    sway: float | None = None,
+    ref_latents: np.ndarray | None = None,
+    check: bool = True,
+) -> list:
+    """The InferInputs of one request (for `tritonclient.grpc` or `.http`). Unset knobs are left out."""
+    arrays = {
+        "PROMPT_EMBEDS": check_prompt_embeds(prompt_embeds) if check else np.asarray(prompt_embeds),
+        "GEN_SECONDS": np.array([seconds], dtype=np.float32),
+        "SEED": np.array([seed], dtype=np.int64),
+    }
+    if num_steps is not None:
+        arrays["NUM_STEPS"] = np.array([num_steps], dtype=np.int32)
+    if guidance is not None:
+        arrays["GUIDANCE"] = np.array([guidance], dtype=np.float32)
+    if sway is not None:
+        arrays["SWAY"] = np.array([sway], dtype=np.float32)
+    if ref_latents is not None:
+        arrays["REF_LATENTS"] = check_latents(ref_latents, "reference latents") if check else np.asarray(ref_latents)
+    types = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32"}
+    inputs = []
+    for name, array in arrays.items():
+        inp = client_module.InferInput(name, list(array.shape), types.get(array.dtype, "FP32"))
+        inp.set_data_from_numpy(array)
+        inputs.append(inp)
+    return inputs
+
+
+def stream_pipeline(
+    prompt_embeds: np.ndarray,
+    seconds: float,
+    seed: int = 0,
+    *,
+    num_steps: int | None = None,
+    guidance: float | None = None,
+    sway: float | None = None,
+    ref_latents: np.ndarray | None = None,
+    url: str = DEFAULT_GRPC_URL,
+    model: str = PIPELINE_MODEL,
+    timeout: float = DEFAULT_PIPELINE_TIMEOUT_S,
+    check: bool = True,
+) -> Iterator[Tile]:
+    """Run the pipeline over a gRPC stream, yielding decoded tiles as the server sends them.
+
+    `timeout` bounds the whole request. Closing the generator early cancels the
+    request on the server (seen between ensemble steps and between tiles).
+    `check=False` sends the inputs as given (to exercise the server's checks).
+    """
+    import tritonclient.grpc as grpcclient
+
+    inputs = pipeline_inputs(
+        grpcclient, prompt_embeds, seconds, seed, num_steps=num_steps, guidance=guidance, sway=sway,
+        ref_latents=ref_latents, check=check,
+    )
+    url = _strip_scheme(url)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    finished = False
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=timeout)
+        outputs = [grpcclient.InferRequestedOutput(WAVEFORM), grpcclient.InferRequestedOutput(START_SAMPLE)]
+        sent = time.perf_counter()
+        deadline = sent + timeout
+        client.async_stream_infer(
+            model, inputs, outputs=outputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+        )
+        while True:
+            try:
+                result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()) + 0.5)
+            except queue.Empty:
+                raise AuKClientError(f"timed out after {timeout:g} s waiting for {model} at {url}") from None
+            if error is not None:
+                raise _describe_grpc_error(error, url, model, timeout)
+            arrived = time.perf_counter() - sent
+            wave = result.as_numpy(WAVEFORM)
+            if wave is not None:
+                start = result.as_numpy(START_SAMPLE)
+                if start is None or start.size != 1:
+                    raise AuKClientError(f"{model} sent a {WAVEFORM} without a one-element {START_SAMPLE}")
+                yield Tile(int(start.reshape(-1)[0]), np.asarray(wave, np.float32).reshape(-1), arrived)
+            params = result.get_response().parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                finished = True
+                return
+    except AuKClientError:
+        raise
+    except Exception as exc:
+        raise _describe_grpc_error(exc, url, model, timeout) from None
+    finally:
+        try:
+            client.stop_stream(cancel_requests=not finished)
+        except Exception:
+            pass
+        client.close()
+
+
+def generate_latents(
+    prompt_embeds: np.ndarray,
+    seconds: float,
+    seed: int = 0,
+    *,
+    url: str = DEFAULT_GRPC_URL,
+    model: str = DIT_MODEL,
+    timeout: float = DEFAULT_PIPELINE_TIMEOUT_S,
+    **knobs,
+) -> np.ndarray:
+    """The normalized latents [frames, 64] that `auk_dit` returns for one request (gRPC, unary)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, **knobs)
+    url = _strip_scheme(url)
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        result = client.infer(model, inputs, client_timeout=timeout)
+    except Exception as exc:
+        raise _describe_grpc_error(exc, url, model, timeout) from None
+    finally:
+        client.close()
+    return result.as_numpy("LATENTS")
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    src = p.add_argument_group("text condition (one of)")
+    src.add_argument("--prompt-embeds", metavar="NPY", help=f".npy of shape [tokens, {TEXT_DIM}] from AuK's encoder stage")
+    src.add_argument(
+        "--random-tokens", type=int, metavar="N",
+        help="instead, N seeded random prompt tokens: a stand-in for the encoder stage (no meaningful sound)",
+    )
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
+    gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
+    gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
+    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
+    gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
+    gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--url", default=DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {DEFAULT_GRPC_URL})")
+    srv.add_argument("--model", default=PIPELINE_MODEL, help=f"ensemble name (default {PIPELINE_MODEL})")
+    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
+    out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
+    out.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from .stream import load_latents
+
+    if (args.prompt_embeds is None) == (args.random_tokens is None):
+        raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
+    if args.prompt_embeds is not None:
+        embeds, source = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
+    else:
+        embeds = random_prompt_embeds(args.random_tokens, args.seed)
+        source = f"{args.random_tokens} random tokens (seed {args.seed}), a stand-in for the encoder stage"
+    ref = load_latents(args.ref_latents) if args.ref_latents else None
+    writer = WavWriter(args.output, fmt=FLOAT32 if args.float32 else PCM16, sample_rate=SAMPLE_RATE)
+    started = time.perf_counter()
+    first, samples, tiles = None, 0, 0
+    try:
+        for tile in stream_pipeline(
+            embeds, args.seconds, args.seed, num_steps=args.steps, guidance=args.guidance, sway=args.sway,
+            ref_latents=ref, url=args.url, model=args.model, timeout=args.timeout,
+        ):
+            writer.place(tile.start_sample, tile.waveform)
+            first = tile.arrived_s if first is None else first
+            samples, tiles = max(samples, tile.end_sample), tiles + 1
+    finally:
+        writer.close()
+    if not args.quiet:
+        total = time.perf_counter() - started
+        print(
+            f"prompt: {source}\n"
+            f"audio: {samples / SAMPLE_RATE:.2f} s in {tiles} tiles -> {args.output}\n"
+            f"time to first audio: {first if first is not None else float('nan'):.3f} s, total {total:.3f} s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="auk-client pipeline",
+        description="Generate audio with the AuK pipeline (DiT -> decoder) on Triton, streamed over gRPC.",
+    ))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except AuKClientError as exc:
+        print(f"auk-client pipeline: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
