@@ -1,0 +1,175 @@
+"""Triton Python-backend model `auk_dit`: text condition in, normalized AuK latents out.
+
+One response per request (not decoupled). Inputs, all without a batch axis:
+
+- PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
+  (the encoder itself is not served here);
+- GEN_SECONDS FP32 [1]: target duration (> 0);
+- SEED INT64 [1]: the same seed gives the same latents on the same device;
+- optional NUM_STEPS INT32 [1], GUIDANCE FP32 [1], SWAY FP32 [1] (checkpoint
+  defaults otherwise; a flash checkpoint ignores them), and REF_LATENTS FP32
+  [frames, 64]: a source clip's normalized latents, for editing.
+
+Output LATENTS FP32 [ceil(50 * GEN_SECONDS), 64]. A request that breaks a limit
+(duration, steps, MAX_LATENT_FRAMES, shapes, non-finite values) gets an error
+response of its own; the model keeps serving.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from auk_triton.flow_sampler import Request, RequestError, load_sampler
+from auk_triton.serving.settings import DEFAULT_PRESET, synthetic_checkpoint
+from auk_triton.serving.vae_decode_model import _instance_device
+from auk_triton.synthetic_dit import SYNTHETIC_DIT_WARNING, write_synthetic_dit_checkpoint
+
+DEFAULT_MAX_STEPS = 1000
+DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second, as the decoder's default
+DEFAULT_MAX_GRAPHS = 4
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _log(level: str, message: str) -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is None:
+        print(f"auk_dit {level}: {message}", flush=True)
+    else:
+        getattr(logger, f"log_{level}")(message)
+
+
+def _error(message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+def _parameters(model_config: dict) -> dict[str, str]:
+    return {k: str(v.get("string_value", "")).strip() for k, v in (model_config.get("parameters") or {}).items()}
+
+
+def synthetic_dit_checkpoint(cache_dir: Path, preset: str) -> Path:
+    """The synthetic codec checkpoint of `preset`, with DiT weights of the same preset added once."""
+    path = synthetic_checkpoint(cache_dir, preset)
+    # The codec writer's lock file: concurrent model processes add the DiT weights one at a time.
+    with open(Path(cache_dir) / "synthetic" / f"{preset}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return write_synthetic_dit_checkpoint(path, preset=preset, seed=0)
+
+
+def _int_param(params: dict[str, str], name: str, default: int, minimum: int = 1) -> int:
+    value = params.get(name, "")
+    try:
+        number = int(value) if value else default
+    except ValueError:
+        raise ValueError(f"config parameter {name} is {value!r}; it must be an integer") from None
+    if number < minimum:
+        raise ValueError(f"config parameter {name} is {number}; it must be at least {minimum}")
+    return number
+
+
+def _seconds(value: np.ndarray) -> float:
+    # The FP32 a client sent for "0.1" is 0.100000001...; read it back as the decimal it
+    # stands for, so that 0.1 s is 5 frames and not ceil(5.0000001) = 6.
+    return float(str(np.float32(value)))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        params = _parameters(self.model_config)
+        model_dir = Path(args["model_repository"])
+        self.device = _instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+
+        dtype_name = params.get("dtype", "") or "auto"
+        if dtype_name not in DTYPES:
+            raise ValueError(f"config parameter dtype is {dtype_name!r}; use one of {sorted(DTYPES)}")
+        self.max_steps = _int_param(params, "max_steps", DEFAULT_MAX_STEPS)
+        self.max_frames = _int_param(params, "max_frames", DEFAULT_MAX_FRAMES)
+        max_graphs = _int_param(params, "max_graphs", DEFAULT_MAX_GRAPHS, minimum=0)
+        graphs = (params.get("enable_cuda_graphs", "") or "true").lower()
+        if graphs not in ("true", "false"):
+            raise ValueError(f"config parameter enable_cuda_graphs is {graphs!r}; use true or false")
+
+        checkpoint = os.environ.get("AUK_CHECKPOINT") or params.get("checkpoint", "")
+        if checkpoint and not os.path.isabs(checkpoint):
+            checkpoint = str(model_dir / checkpoint)
+        if not checkpoint:
+            cache = params.get("cache_dir", "") or os.environ.get("AUK_CACHE_DIR") or str(Path.home() / ".cache" / "auk_triton")
+            preset = os.environ.get("AUK_PRESET") or DEFAULT_PRESET
+            _log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
+                         f"serving the synthetic '{preset}' preset")
+            _log("warn", f"*** {SYNTHETIC_DIT_WARNING} ***")
+            checkpoint = synthetic_dit_checkpoint(Path(cache).absolute(), preset)
+
+        began = time.perf_counter()
+        # A missing auk.safetensors (or config.json) fails the load with the file's name.
+        self.sampler = load_sampler(
+            checkpoint, self.device, DTYPES[dtype_name], max_frames=self.max_frames,
+            max_graphs=max_graphs if graphs == "true" else 0,
+        )
+        _log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
+                     f"CUDA graphs {'on' if self.sampler.graphs else 'off'}) on {self.device} "
+                     f"in {time.perf_counter() - began:.1f} s")
+
+    def _input(self, request, name: str, dtype, shape_rank: int, required: bool = True):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            if required:
+                raise RequestError(f"the request has no {name} input")
+            return None
+        array = tensor.as_numpy()
+        if array.dtype != dtype:
+            raise RequestError(f"{name} is {array.dtype.name}; this model takes {np.dtype(dtype).name}")
+        if shape_rank == 0:
+            if array.size != 1:
+                raise RequestError(f"{name} must hold one value, got shape {list(array.shape)}")
+            return array.reshape(-1)[0]
+        if array.ndim != shape_rank:
+            raise RequestError(f"{name} must have {shape_rank} dimensions, got shape {list(array.shape)}")
+        return array
+
+    def _request(self, request) -> Request:
+        text = self._input(request, "PROMPT_EMBEDS", np.float32, 2)
+        seconds = self._input(request, "GEN_SECONDS", np.float32, 0)
+        seed = self._input(request, "SEED", np.int64, 0)
+        steps = self._input(request, "NUM_STEPS", np.int32, 0, required=False)
+        guidance = self._input(request, "GUIDANCE", np.float32, 0, required=False)
+        sway = self._input(request, "SWAY", np.float32, 0, required=False)
+        ref = self._input(request, "REF_LATENTS", np.float32, 2, required=False)
+        if steps is not None and steps > self.max_steps:
+            raise RequestError(f"NUM_STEPS is {int(steps)}; this model runs at most {self.max_steps} (max_steps)")
+        return Request(
+            prompt_embeds=torch.from_numpy(np.ascontiguousarray(text)),
+            gen_seconds=_seconds(seconds),
+            seed=int(seed),
+            num_steps=None if steps is None else int(steps),
+            guidance=None if guidance is None else float(guidance),
+            sway=None if sway is None else float(sway),
+            ref_latents=None if ref is None else torch.from_numpy(np.ascontiguousarray(ref)),
+        )
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                latents = self.sampler.generate(self._request(request)).cpu().numpy()
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LATENTS", latents)]))
+            except RequestError as err:
+                responses.append(_error(str(err)))
+            except Exception as err:
+                _log("error", f"{self.name}: generation failed: {type(err).__name__}: {err}")
+                responses.append(_error(f"generation failed: {type(err).__name__}: {err}"))
+        return responses
+
+    def finalize(self):
+        self.sampler = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,181 @@
+"""Text condition to streamed audio on one GPU: the DiT alone, then the whole Triton pipeline.
+
+Two recipes on the released dims (1.53 B DiT + the released codec, synthetic
+seeded weights: the speed depends only on the geometry): `base`, 32 Euler steps
+with classifier-free guidance (batch 2 per step) and the default sway, and
+`flash`, the locked 4-step unguided recipe. For each:
+
+- DiT time in this process: CUDA-synchronised wall time of `generate()` (bf16
+  weights under autocast, as served), eagerly and with the velocity step replayed
+  as a CUDA graph (as served), median of `--reps` after a warm-up request;
+- through a real tritonserver (auk_dit + auk_vae_decode + auk_pipeline): the
+  DiT's served time (a unary auk_dit request), and for auk_pipeline over a gRPC
+  stream the time to first audio (first WAVEFORM tile) and the total (final flag).
+
+    python benchmarks/bench_pipeline.py --seconds 10 --tokens 64 --reps 5
+    python benchmarks/bench_pipeline.py --no-server          # the in-process DiT numbers only
+
+The synthetic checkpoint (6.1 GB of fp32 DiT weights) is written once under
+--cache-dir and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from auk_triton.flow_sampler import Request, load_sampler
+from auk_triton.synthetic import write_synthetic_checkpoint
+from auk_triton.synthetic_dit import write_synthetic_dit_checkpoint
+
+MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
+RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
+
+
+def checkpoints(root: Path, preset: str) -> dict[str, Path]:
+    """One base and one flash checkpoint directory; the flash one links the base one's weights."""
+    base = write_synthetic_checkpoint(root / f"{preset}-base", preset=preset, seed=0)
+    write_synthetic_dit_checkpoint(base, preset=preset, seed=0, variant="base")
+    flash = root / f"{preset}-flash"
+    flash.mkdir(exist_ok=True)
+    for name in ("vae.safetensors", "auk.safetensors"):
+        if not (flash / name).exists():
+            (flash / name).symlink_to((base / name).resolve())
+    config = json.loads((base / "config.json").read_text())
+    config["variant"] = "flash"
+    (flash / "config.json").write_text(json.dumps(config, indent=1))
+    return {"base": base, "flash": flash}
+
+
+def in_process(checkpoint: Path, recipe: dict, embeds: np.ndarray, seconds: float, reps: int, graphs: int) -> float:
+    """Median DiT milliseconds for one request, on cuda in bf16 (graphed steps when graphs > 0)."""
+    sampler = load_sampler(checkpoint, "cuda", max_graphs=graphs)
+    request = Request(torch.from_numpy(embeds), seconds, 0, **recipe)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    sampler.generate(request)  # warm-up: kernels, allocator, the graph capture
+    torch.cuda.synchronize()
+    print(f"  first request {(time.perf_counter() - began) * 1e3:.1f} ms (graphs {graphs})", flush=True)
+    times = []
+    for rep in range(reps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        sampler.generate(Request(torch.from_numpy(embeds), seconds, rep, **recipe))
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1e3)
+    del sampler
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(checkpoint: Path, cache: Path, log_path: Path):
+    import tritonclient.grpc as grpcclient
+
+    from auk_triton.server import server_command
+
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu",
+               AUK_MODELS=",".join(MODELS))
+    argv, env = server_command(ports=ports, env=env, extra_args=["--log-verbose=0"])
+    if not any(arg.startswith("--model-control-mode") for arg in argv):  # a launcher without AUK_MODELS
+        argv += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in MODELS]
+    process = subprocess.Popen(argv, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{ports['grpc']}"
+    client = grpcclient.InferenceServerClient(url)
+    began = time.perf_counter()
+    while time.perf_counter() - began < 900:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
+        try:
+            if all(client.is_model_ready(m) for m in MODELS):
+                print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
+                return process, url
+        except Exception:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"tritonserver not ready after 900 s; see {log_path}")
+
+
+def served(url: str, recipe: dict, embeds: np.ndarray, seconds: float, reps: int) -> dict:
+    from auk_client.pipeline import generate_latents, stream_pipeline
+
+    dit, first, total = [], [], []
+    for rep in range(reps + 1):  # the first request warms the connection and the decoder
+        began = time.perf_counter()
+        generate_latents(embeds, seconds, rep, url=url, **recipe)
+        dit_ms = (time.perf_counter() - began) * 1e3
+        began = time.perf_counter()
+        arrivals = [tile.arrived_s for tile in stream_pipeline(embeds, seconds, rep, url=url, **recipe)]
+        total_ms = (time.perf_counter() - began) * 1e3
+        if rep:
+            dit.append(dit_ms)
+            first.append(arrivals[0] * 1e3)
+            total.append(total_ms)
+    return {"dit": statistics.median(dit), "first": statistics.median(first), "total": statistics.median(total)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="auk", help="synthetic preset for both the DiT and the codec")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--tokens", type=int, default=64, help="prompt tokens (seeded stand-in embeddings)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--no-server", action="store_true", help="only the in-process DiT times")
+    parser.add_argument("--cache-dir", default=None, help="checkpoints and compile caches (reused across runs)")
+    parser.add_argument("--log", default="tritonserver-pipeline.log")
+    args = parser.parse_args()
+
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-pipeline-"))
+    began = time.perf_counter()
+    dirs = checkpoints(cache, args.preset)
+    print(f"# AuK pipeline, {args.preset} (synthetic), {args.seconds:g} s of audio, {args.tokens} prompt tokens, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()} "
+          f"(checkpoints ready in {time.perf_counter() - began:.0f} s)", flush=True)
+    embeds = np.random.default_rng(0).standard_normal((args.tokens, 2048)).astype(np.float32)
+
+    rows = {}
+    for name in args.recipes:
+        rows[name] = {
+            "eager": in_process(dirs[name], RECIPES[name], embeds, args.seconds, args.reps, graphs=0),
+            "local": in_process(dirs[name], RECIPES[name], embeds, args.seconds, args.reps, graphs=4),
+        }
+        print(f"in-process DiT, {name}: eager {rows[name]['eager']:.1f} ms, "
+              f"CUDA graphs {rows[name]['local']:.1f} ms", flush=True)
+    if not args.no_server:
+        for name in args.recipes:
+            process, url = start_server(dirs[name], cache, Path(args.log))
+            try:
+                rows[name].update(served(url, RECIPES[name], embeds, args.seconds, args.reps))
+            finally:
+                process.terminate()
+                process.wait(timeout=120)
+
+    print("| recipe | steps x batch | DiT eager ms | DiT graphed ms | DiT served ms | first audio ms | total ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, row in rows.items():
+        shape = "32 x 2 (CFG 2.0, sway -1)" if name == "base" else "4 x 1 (flash grid, no CFG)"
+        cells = [f"{row[k]:.1f}" if k in row else "-" for k in ("eager", "local", "dit", "first", "total")]
+        print(f"| {name} | {shape} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
