@@ -119,7 +119,15 @@ class Activation1d(nn.Module):
         self.upsample = UpSample1d()
         self.downsample = DownSample1d(causal)
 
+    # Set by AuKVAE.use_fused_activation(): on CUDA, run the one-kernel Triton version
+    # (fused_activation.py); the eager path below stays the reference and the CPU path.
+    fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            from .fused_activation import fused_activation
+
+            return fused_activation(x, self)
         return self.downsample(self.act(self.upsample(x)))
 
     @staticmethod

@@ -246,6 +246,13 @@ class AuKVAE(nn.Module):
         vae.eval().requires_grad_(False)
         return vae
 
+    def use_fused_activation(self, enabled: bool = True) -> "AuKVAE":
+        """Run every anti-aliased activation as one Triton kernel on CUDA (eager elsewhere)."""
+        for module in self.modules():
+            if isinstance(module, Activation1d):
+                module.fused = bool(enabled)
+        return self
+
     # ---- geometry ------------------------------------------------------------------------
 
     def decode_context_frames(self) -> tuple[int, int]:

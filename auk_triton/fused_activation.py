@@ -1,0 +1,307 @@
+"""The anti-aliased SnakeBeta activation as one Triton kernel.
+
+`Activation1d` (activations.py) runs upsample x2 -> SnakeBeta -> low-pass and
+decimate x2 as three generic depthwise ops that move a signal at twice its rate
+through memory several times. This kernel computes the same thing in one pass:
+each program owns a tile of BLOCK - 8 output samples of one (batch, channel)
+row, reads its input samples once from memory (plus a halo of 8 samples on the
+left and 2 on the right, served from cache), keeps the oversampled signal in
+registers (and shared memory for the decimating filter's shifts), and writes
+each output sample once.
+
+The arithmetic, with f the 12 upsampling taps, g the 12 low-pass taps, x the
+input row of length L and clamp(i) = min(max(i, 0), L - 1) (the replicate
+padding of the upsampler):
+
+- Upsampler, polyphase. The transposed convolution with stride 2 after a
+  replicate pad of 5 and a crop of 15 gives, for q in [0, L):
+      u[2q]     = 2 * sum_i f[2i+1] * x[clamp(q + 2 - i)]     (i = 0..5)
+      u[2q + 1] = 2 * sum_i f[2i]   * x[clamp(q + 3 - i)]
+  so E[q] = snake(u[2q]) and O[q] = snake(u[2q+1]) read the same six samples
+  when O is taken one position later: O[q - 1] uses x[clamp(q + 2 - i)].
+- SnakeBeta: s = u + (1 / (exp(beta) + 1e-9)) * sin(u * exp(alpha))^2, the
+  eager expression; exp, the reciprocal (an IEEE division) and sin are the
+  precise libdevice functions on the GPU, like torch's.
+- Causal low-pass (replicate pad 11 on the left, stride 2):
+      y[t] = sum_k g[k] * s[max(2t + k - 11, 0)]
+           = sum_i g[2i+1] * E[t - 5 + i] + g[2i] * O[t - 6 + i]
+  where a negative oversampled index means s[0] = E[0] (replicate of the
+  activated signal, not of x). The non-causal variant (pad 5 left, 6 right)
+  is y[t] = sum_i g[2i+1] E[t-2+i] + g[2i] O[t-3+i], clamped to s[2L-1] = O[L-1]
+  on the right; the kernel supports both (`CAUSAL`).
+
+In the kernel, lane p of a tile starting at output t0 holds A[p] = E[t0+p-5]
+and B[p] = O[t0+p-6] (causal), both computed from the same six loads; the
+clamped edges are fixed lane-locally (B = A where B's index is negative, since
+that lane's A is E[0]; non-causal: A = B past the right end, since that lane's B
+is O[L-1]). Then F_i = g[2i+1] * A + g[2i] * B, and y[j] = sum_i F_i[j + i]:
+five lane shifts, done with `tl.gather` (shared memory). Only the order of the
+tap sums differs from eager (and the compiler may fuse a multiply and an add
+into an FMA); every product is the same fp32 product.
+
+Cost: per output sample two precise sinf, 24 multiply-adds, six cached loads and
+five shared-memory shifts; about 150 instructions, so the kernel is expected to
+be issue-bound at roughly twice its memory floor (8 bytes per sample) on an
+H200. Tiles that do not touch a clip edge skip the index clamps.
+
+Input strides are passed to the kernel, so a non-contiguous x (a transposed or
+sliced view) is read in place, without a copy; the output is a new contiguous
+[B, C, L] tensor. The op is registered with `torch.library.triton_op`, so
+`torch.compile` traces into it (Inductor emits the kernel call in its own code;
+no graph break) and it can be captured in CUDA graphs.
+
+Under `TRITON_INTERPRET=1` (tests on a CPU) the kernel runs in Triton's
+interpreter; libdevice has no interpreter implementation, so sin, exp and the
+division use triton.language's (numpy in the interpreter).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+FILTER_TAPS = 12
+# Output samples per program = BLOCK - HALO_LANES; lanes past that only feed the shifts.
+HALO_LANES = 8
+# Launch configuration; the benchmark may sweep it. Read at call (or trace) time.
+LAUNCH = {"block": 1024, "num_warps": 4}
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None) if knobs is not None else None
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _snake(u, alpha, inv_beta, PRECISE: tl.constexpr):
+    if PRECISE:
+        s = libdevice.sin(u * alpha)
+    else:
+        s = tl.sin(u * alpha)
+    return u + inv_beta * (s * s)
+
+
+@triton.jit
+def _fused_activation_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    beta_ptr,
+    up_ptr,
+    down_ptr,
+    L,
+    stride_xb,
+    stride_xc,
+    stride_xl,
+    stride_yb,
+    stride_yc,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOGSCALE: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    BT: tl.constexpr = BLOCK - 8  # output samples of this program
+    pid_t = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = pid_t * BT
+    x_row = x_ptr + b.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc
+    y_row = y_ptr + b.to(tl.int64) * stride_yb + c.to(tl.int64) * stride_yc
+
+    # SnakeBeta parameters, as eager: exp(alpha), 1 / (exp(beta) + 1e-9).
+    alpha = tl.load(alpha_ptr + c)
+    beta = tl.load(beta_ptr + c)
+    if LOGSCALE:
+        if PRECISE:
+            alpha = libdevice.exp(alpha)
+            beta = libdevice.exp(beta)
+        else:
+            alpha = tl.exp(alpha)
+            beta = tl.exp(beta)
+    inv_beta = tl.math.div_rn(1.0, beta + 1e-9)
+
+    # Upsampling taps f[0..11] times the gain of 2 (exact: a power of two), low-pass taps g[0..11].
+    f0 = tl.load(up_ptr + 0) * 2.0
+    f1 = tl.load(up_ptr + 1) * 2.0
+    f2 = tl.load(up_ptr + 2) * 2.0
+    f3 = tl.load(up_ptr + 3) * 2.0
+    f4 = tl.load(up_ptr + 4) * 2.0
+    f5 = tl.load(up_ptr + 5) * 2.0
+    f6 = tl.load(up_ptr + 6) * 2.0
+    f7 = tl.load(up_ptr + 7) * 2.0
+    f8 = tl.load(up_ptr + 8) * 2.0
+    f9 = tl.load(up_ptr + 9) * 2.0
+    f10 = tl.load(up_ptr + 10) * 2.0
+    f11 = tl.load(up_ptr + 11) * 2.0
+    g0 = tl.load(down_ptr + 0)
+    g1 = tl.load(down_ptr + 1)
+    g2 = tl.load(down_ptr + 2)
+    g3 = tl.load(down_ptr + 3)
+    g4 = tl.load(down_ptr + 4)
+    g5 = tl.load(down_ptr + 5)
+    g6 = tl.load(down_ptr + 6)
+    g7 = tl.load(down_ptr + 7)
+    g8 = tl.load(down_ptr + 8)
+    g9 = tl.load(down_ptr + 9)
+    g10 = tl.load(down_ptr + 10)
+    g11 = tl.load(down_ptr + 11)
+
+    p = tl.arange(0, BLOCK)
+    # Lane p holds A = E[qa] and B = O[qa - 1].
+    if CAUSAL:
+        qa = t0 + p - 5
+    else:
+        qa = t0 + p - 2
+    # Clamping qa to [0, L] makes A = E[0] left of the clip, and B = O[L-1] at and past
+    # its right end; A past the end is either unused (causal) or replaced by B.
+    last = L - 1
+    if (t0 >= 8) & (t0 + BLOCK <= L):
+        # Tile interior: every index qa - 3 .. qa + 2 lies in [0, L), no clamping.
+        xs = x_row + qa * stride_xl
+        xm3 = tl.load(xs - 3 * stride_xl)
+        xm2 = tl.load(xs - 2 * stride_xl)
+        xm1 = tl.load(xs - stride_xl)
+        x0 = tl.load(xs)
+        xp1 = tl.load(xs + stride_xl)
+        xp2 = tl.load(xs + 2 * stride_xl)
+    else:
+        qc = tl.minimum(tl.maximum(qa, 0), L)
+        xm3 = tl.load(x_row + tl.minimum(tl.maximum(qc - 3, 0), last) * stride_xl)
+        xm2 = tl.load(x_row + tl.minimum(tl.maximum(qc - 2, 0), last) * stride_xl)
+        xm1 = tl.load(x_row + tl.minimum(tl.maximum(qc - 1, 0), last) * stride_xl)
+        x0 = tl.load(x_row + tl.minimum(qc, last) * stride_xl)
+        xp1 = tl.load(x_row + tl.minimum(qc + 1, last) * stride_xl)
+        xp2 = tl.load(x_row + tl.minimum(qc + 2, last) * stride_xl)
+
+    # Polyphase upsampler, then SnakeBeta.
+    ue = f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3
+    uo = f0 * xp2 + f2 * xp1 + f4 * x0 + f6 * xm1 + f8 * xm2 + f10 * xm3
+    a = _snake(ue, alpha, inv_beta, PRECISE)
+    bo = _snake(uo, alpha, inv_beta, PRECISE)
+    # Replicate padding of the activated signal: s[negative] = s[0] = E[0] (this lane's A).
+    bo = tl.where(qa < 1, a, bo)
+    if not CAUSAL:
+        # s[past 2L-1] = s[2L-1] = O[L-1] (this lane's B).
+        a = tl.where(qa > last, bo, a)
+
+    # Low-pass and decimate: y[j] = sum_i F_i[j + i].
+    acc = tl.gather(g11 * a + g10 * bo, tl.minimum(p + 5, BLOCK - 1), 0)
+    acc += tl.gather(g9 * a + g8 * bo, tl.minimum(p + 4, BLOCK - 1), 0)
+    acc += tl.gather(g7 * a + g6 * bo, tl.minimum(p + 3, BLOCK - 1), 0)
+    acc += tl.gather(g5 * a + g4 * bo, tl.minimum(p + 2, BLOCK - 1), 0)
+    acc += tl.gather(g3 * a + g2 * bo, tl.minimum(p + 1, BLOCK - 1), 0)
+    acc += g1 * a + g0 * bo
+
+    t = t0 + p
+    tl.store(y_row + t, acc, mask=(p < BT) & (t < L))
+
+
+def _block_for(length: int) -> int:
+    block = int(LAUNCH["block"])
+    while block > 64 and length <= (block // 2) - HALO_LANES:
+        block //= 2
+    return block
+
+
+def _launch(
+    y: torch.Tensor, x: torch.Tensor, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
+    traceable: bool = True,
+):
+    """Write act(x) into y (a contiguous [B, C, L] float32 tensor).
+
+    `traceable` (inside the custom op) goes through `wrap_triton`, so that tracing
+    sees the kernel; a direct call (the `out=` path) launches the kernel as is.
+    """
+    batch, channels, length = x.shape
+    if batch == 0 or channels == 0 or length == 0:
+        return
+    block = _block_for(length)
+    grid = (triton.cdiv(length, block - HALO_LANES), channels, batch)
+    interpreting = _interpreting()
+    # The interpreter's kernel object cannot be traced (and older torch refuses to wrap it).
+    kernel = _fused_activation_kernel
+    if traceable and not interpreting:
+        kernel = torch.library.wrap_triton(kernel)
+    kernel[grid](
+        x,
+        y,
+        alpha,
+        beta,
+        up_filter,
+        down_filter,
+        length,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        y.stride(0),
+        y.stride(1),
+        BLOCK=block,
+        CAUSAL=causal,
+        LOGSCALE=logscale,
+        PRECISE=not interpreting,
+        num_warps=int(LAUNCH["num_warps"]),
+    )
+
+
+@torch.library.triton_op("auk::fused_activation", mutates_args=())
+def fused_activation_op(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    up_filter: torch.Tensor,
+    down_filter: torch.Tensor,
+    logscale: bool,
+    causal: bool,
+) -> torch.Tensor:
+    """Anti-aliased SnakeBeta of x [B, C, L] (float32, any strides) -> new contiguous [B, C, L]."""
+    y = torch.empty(tuple(x.shape), device=x.device, dtype=torch.float32)
+    _launch(y, x, alpha, beta, up_filter, down_filter, logscale, causal)
+    return y
+
+
+def supports(x: torch.Tensor, act) -> bool:
+    """Whether the fused kernel can compute `act(x)`; otherwise callers use the eager module."""
+    up, down = act.upsample.filter, act.downsample.lowpass.filter
+    return (
+        x.dim() == 3
+        and (x.is_cuda or _interpreting())
+        and x.dtype == torch.float32
+        and x.shape[1] == act.act.alpha.numel() == act.act.beta.numel()
+        and act.act.alpha.device == x.device
+        and up.numel() == FILTER_TAPS
+        and down.numel() == FILTER_TAPS
+        and max(x.shape[2], 1) * max(abs(x.stride(2)), 1) < 2**31
+    )
+
+
+def fused_activation(x: torch.Tensor, act, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`act(x)` for an `Activation1d` `act`, in one Triton kernel (the eager module where unsupported).
+
+    `out`, a contiguous float32 tensor of x's shape, receives the result directly
+    (a plain launch, not the traceable op: for tests that poison the output first).
+    """
+    if not supports(x, act):
+        result = act.downsample(act.act(act.upsample(x)))
+        return result if out is None else out.copy_(result)
+    up = act.upsample.filter
+    down = act.downsample.lowpass.filter
+    args = (
+        x,
+        act.act.alpha,
+        act.act.beta,
+        up if up.is_contiguous() else up.contiguous(),
+        down if down.is_contiguous() else down.contiguous(),
+        bool(act.act.logscale),
+        act.downsample.lowpass.pad_right == 0,
+    )
+    if out is None:
+        return fused_activation_op(*args)
+    if out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {list(x.shape)} on {x.device}")
+    _launch(out, *args, traceable=False)
+    return out

@@ -1,0 +1,304 @@
+"""The fused anti-aliased activation (auk_triton/fused_activation.py) against the eager module.
+
+Every case draws fresh random inputs, SnakeBeta parameters (and, in some cases,
+FIR taps, as a checkpoint may store them), computes the eager `Activation1d`
+and the Triton kernel, and requires a relative L2 error of at most 1e-5 over
+the whole output and over each clip edge (where the replicate padding acts).
+The kernel writes into a NaN-poisoned output, which must come back finite, and
+the traceable op's own output must equal it bit for bit.
+
+Where the kernel runs:
+- With CUDA: on the GPU, at the real shapes (channels 24..768, lengths up to
+  100k), plus torch.compile (fullgraph, Inductor) of the op, `opcheck`, and a
+  whole decode of the small synthetic codec through a compiled bucket.
+- Without CUDA but with `triton` importable: in Triton's CPU interpreter, on
+  small shapes. TRITON_INTERPRET=1 must be set before triton is imported, so the
+  cases run in a subprocess (this file as a script) and the rest of the test
+  session is unaffected. The interpreter costs ~15 ms per program, hence few
+  channels and short lengths there.
+- Without either: skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5
+DECODE_TOLERANCE = 1e-3
+EDGE = 24  # output samples checked separately at each clip edge
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# (batch, channels, length, layout, causal, logscale, random_taps)
+# layout: "contiguous"; "transposed" (a [B, L, C] tensor viewed as [B, C, L]);
+# "strided" (every other sample of a longer row); "channels" (every other channel).
+INTERPRETER_CASES = [
+    (1, 24, 1, "contiguous", True, True, False),
+    (1, 24, 2, "contiguous", True, True, False),
+    (2, 24, 7, "contiguous", True, True, False),
+    (1, 24, 11, "transposed", True, True, False),
+    (1, 32, 57, "contiguous", True, True, True),
+    (1, 8, 1016, "contiguous", True, True, False),
+    (1, 8, 1017, "strided", True, True, False),
+    (1, 4, 3001, "contiguous", True, True, True),
+    (2, 48, 333, "channels", True, True, False),
+    (1, 96, 97, "transposed", True, True, False),
+    (1, 2, 20001, "contiguous", True, True, False),
+    (1, 384, 3, "contiguous", True, True, False),
+    (1, 24, 1, "contiguous", False, True, False),
+    (1, 24, 13, "contiguous", False, True, False),
+    (1, 8, 2047, "strided", False, True, True),
+    (1, 24, 129, "contiguous", True, False, False),
+]
+
+GPU_CASES = [
+    (1, 768, 2560, "contiguous", True, True, False),
+    (1, 384, 10240, "contiguous", True, True, False),
+    (1, 192, 30720, "contiguous", True, True, False),
+    (1, 96, 61440, "contiguous", True, True, False),
+    (1, 48, 100000, "contiguous", True, True, False),
+    (1, 24, 100001, "contiguous", True, True, True),
+    (2, 64, 1, "contiguous", True, True, False),
+    (1, 512, 2, "contiguous", True, True, False),
+    (1, 200, 7, "transposed", True, True, False),
+    (3, 100, 12345, "transposed", True, True, False),
+    (2, 256, 4097, "strided", True, True, True),
+    (2, 384, 999, "channels", True, True, False),
+    (1, 24, 33333, "contiguous", False, True, False),
+    (1, 96, 5001, "contiguous", False, False, True),
+    (1, 31, 1017, "contiguous", True, False, False),
+    (4, 24, 50001, "contiguous", True, True, False),
+]
+
+
+def _case_id(case) -> str:
+    batch, channels, length, layout, causal, logscale, taps = case
+    return (
+        f"{batch}x{channels}x{length}-{layout}-{'causal' if causal else 'centered'}"
+        f"{'' if logscale else '-linear'}{'-taps' if taps else ''}"
+    )
+
+
+def _input(batch, channels, length, layout, generator, device):
+    def randn(*shape):
+        return (torch.randn(*shape, generator=generator) * 1.5).to(device)
+
+    if layout == "contiguous":
+        return randn(batch, channels, length)
+    if layout == "transposed":
+        return randn(batch, length, channels).transpose(1, 2)
+    if layout == "strided":
+        return randn(batch, channels, 2 * length)[..., ::2]
+    if layout == "channels":
+        return randn(batch, 2 * channels, length)[:, ::2]
+    raise ValueError(layout)
+
+
+def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def run_case(case, device: str, seed: int) -> dict:
+    """Eager vs fused for one case; returns the errors (and whether the poisoned output came back finite)."""
+    from auk_triton.activations import Activation1d
+    from auk_triton.fused_activation import fused_activation
+
+    batch, channels, length, layout, causal, logscale, random_taps = case
+    generator = torch.Generator().manual_seed(seed)
+    act = Activation1d(channels, logscale, causal).requires_grad_(False)
+    with torch.no_grad():
+        if logscale:
+            act.act.alpha.copy_(torch.randn(channels, generator=generator) * 0.5)
+            act.act.beta.copy_(torch.randn(channels, generator=generator) * 0.5)
+        else:
+            act.act.alpha.copy_(0.2 + torch.rand(channels, generator=generator) * 2)
+            act.act.beta.copy_(0.2 + torch.rand(channels, generator=generator) * 2)
+        if random_taps:  # a checkpoint's stored taps must win over the computed ones
+            act.upsample.filter.copy_(torch.randn(1, 1, 12, generator=generator) / 4)
+            act.downsample.lowpass.filter.copy_(torch.randn(1, 1, 12, generator=generator) / 4)
+    act = act.to(device)
+    x = _input(batch, channels, length, layout, generator, device)
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the reference in plain fp32
+    try:
+        with torch.no_grad():
+            expected = act(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+    poisoned = torch.full((batch, channels, length), float("nan"), device=device)
+    with torch.no_grad():
+        written = fused_activation(x, act, out=poisoned)
+        op_out = fused_activation(x, act)
+    edge = min(EDGE, length)
+    return {
+        "id": _case_id(case),
+        "finite": bool(torch.isfinite(written).all()),
+        "op_equal": bool(torch.equal(op_out, written)),
+        "rel_l2": _rel_l2(written, expected),
+        "rel_l2_left_edge": _rel_l2(written[..., :edge], expected[..., :edge]),
+        "rel_l2_right_edge": _rel_l2(written[..., -edge:], expected[..., -edge:]),
+        "max_abs": (written.double() - expected.double()).abs().max().item(),
+    }
+
+
+def _check(result: dict) -> None:
+    assert result["finite"], f"{result['id']}: some output elements were not written (NaN poison survived)"
+    assert result["op_equal"], f"{result['id']}: the custom op's output differs from the direct launch"
+    for key in ("rel_l2", "rel_l2_left_edge", "rel_l2_right_edge"):
+        assert result[key] <= TOLERANCE, f"{result['id']}: {key} {result[key]:.3g} > {TOLERANCE}: {result}"
+
+
+# ---- CPU: Triton's interpreter, in a subprocess ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if HAS_CUDA:
+        pytest.skip("CUDA is available: the kernel is tested on the GPU instead of the interpreter")
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (CPU torch wheels do not ship it): the fused kernel is untested here")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--interpreter"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result["id"]] = result
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=_case_id)
+def test_interpreted_kernel_matches_eager(interpreter_results, case):
+    result = interpreter_results.get(_case_id(case))
+    assert result is not None, f"no result for {_case_id(case)}"
+    if "error" in result:
+        pytest.fail(f"{result['id']} raised: {result['error']}")
+    _check(result)
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_kernel_matches_eager_on_the_gpu(case):
+    for seed in (0, 1):
+        _check(run_case(case, "cuda", seed))
+
+
+@gpu
+def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
+    from auk_triton.activations import Activation1d
+    from auk_triton.fused_activation import fused_activation_op
+
+    torch.manual_seed(5)
+    act = Activation1d(64).requires_grad_(False).cuda()
+    act.act.alpha.normal_(0, 0.5)
+    act.act.beta.normal_(0, 0.5)
+    act.fused = True
+    x = torch.randn(1, 64, 3000, device="cuda")
+    compiled = torch.compile(lambda t: act(t * 1.0) + 1.0, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x)
+        act.fused = False
+        expected = act(x) + 1.0
+    assert _rel_l2(out, expected) <= TOLERANCE
+    args = (x, act.act.alpha, act.act.beta, act.upsample.filter, act.downsample.lowpass.filter, True, True)
+    torch.library.opcheck(
+        fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    )
+
+
+@pytest.fixture(scope="module")
+def small_vaes(tmp_path_factory):
+    from auk_triton.synthetic import write_synthetic_checkpoint
+    from auk_triton.vae import AuKVAE
+
+    checkpoint = write_synthetic_checkpoint(tmp_path_factory.mktemp("small-fused"), "small")
+    reference = AuKVAE.from_pretrained(checkpoint, device="cuda")
+    fused = AuKVAE.from_pretrained(checkpoint, device="cuda").use_fused_activation(True)
+    return reference, fused
+
+
+def _latents(frames: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, frames, 64, generator=generator).cuda()
+
+
+@gpu
+@pytest.mark.parametrize("frames", [1, 37, 300])
+def test_an_eager_decode_with_the_kernel_matches_eager(small_vaes, frames):
+    reference, fused = small_vaes
+    clip = _latents(frames, frames)
+    with torch.no_grad():
+        assert _rel_l2(fused.decode(clip), reference.decode(clip)) < DECODE_TOLERANCE
+
+
+@gpu
+def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
+    from auk_triton.decode_graph import AuKVAEDecodeGraph
+
+    reference, fused = small_vaes
+    graph = AuKVAEDecodeGraph(fused, compile_shapes=(128,))
+    graph.warmup("cuda")
+    assert graph.compiled_bucket(128) == 128, "the compiled bucket failed to build (see the warning log)"
+    for frames, seed in ((128, 0), (100, 1)):
+        clip = _latents(frames, seed)
+        out = graph(clip)
+        assert graph.last_mode == "compiled"
+        with torch.no_grad():
+            expected = reference.decode(clip)
+        settled = (frames - fused.decode_context_frames()[1] - 1) * fused.hop_size
+        assert _rel_l2(out[:, :settled], expected[:, :settled]) < DECODE_TOLERANCE
+    # A plain graph (eager kernels replayed) with the fused kernel captured in it.
+    plain = AuKVAEDecodeGraph(fused, compile_shapes=())
+    clip = _latents(77, 2)
+    out = plain(clip)
+    assert plain.last_mode == "graph"
+    with torch.no_grad():
+        assert torch.equal(out, fused.decode(clip))
+        assert _rel_l2(out, reference.decode(clip)) < DECODE_TOLERANCE
+
+
+# ---- the subprocess body --------------------------------------------------------------------------
+
+
+def _interpreter_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    failures = 0
+    for seed, case in enumerate(INTERPRETER_CASES):
+        try:
+            result = run_case(case, "cpu", seed)
+        except Exception as err:  # reported per case by the parent test
+            result = {"id": _case_id(case), "error": f"{type(err).__name__}: {err}"}
+            failures += 1
+        print(json.dumps(result), flush=True)
+    return 0 if failures < len(INTERPRETER_CASES) else 1
+
+
+if __name__ == "__main__" and "--interpreter" in sys.argv:
+    sys.exit(_interpreter_main())
