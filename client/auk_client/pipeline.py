@@ -17,10 +17,8 @@ serving path but do not describe any sound.
 from __future__ import annotations
 
 import argparse
-import queue
 import sys
 import time
-import uuid
 from typing import Iterator
 
 import numpy as np
@@ -29,14 +27,13 @@ from .stream import (
     DEFAULT_GRPC_URL,
     DEFAULT_TIMEOUT_S,
     SAMPLE_RATE,
-    START_SAMPLE,
-    WAVEFORM,
     AuKClientError,
     BadInput,
     Tile,
     _describe_grpc_error,
     _strip_scheme,
     check_latents,
+    stream_infer,
 )
 from .wavio import FLOAT32, PCM16, WavWriter
 
@@ -137,46 +134,7 @@ def stream_pipeline(
         grpcclient, prompt_embeds, seconds, seed, num_steps=num_steps, guidance=guidance, sway=sway,
         ref_latents=ref_latents, check=check,
     )
-    url = _strip_scheme(url)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    finished = False
-    try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=timeout)
-        outputs = [grpcclient.InferRequestedOutput(WAVEFORM), grpcclient.InferRequestedOutput(START_SAMPLE)]
-        sent = time.perf_counter()
-        deadline = sent + timeout
-        client.async_stream_infer(
-            model, inputs, outputs=outputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
-        )
-        while True:
-            try:
-                result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()) + 0.5)
-            except queue.Empty:
-                raise AuKClientError(f"timed out after {timeout:g} s waiting for {model} at {url}") from None
-            if error is not None:
-                raise _describe_grpc_error(error, url, model, timeout)
-            arrived = time.perf_counter() - sent
-            wave = result.as_numpy(WAVEFORM)
-            if wave is not None:
-                start = result.as_numpy(START_SAMPLE)
-                if start is None or start.size != 1:
-                    raise AuKClientError(f"{model} sent a {WAVEFORM} without a one-element {START_SAMPLE}")
-                yield Tile(int(start.reshape(-1)[0]), np.asarray(wave, np.float32).reshape(-1), arrived)
-            params = result.get_response().parameters
-            if "triton_final_response" in params and params["triton_final_response"].bool_param:
-                finished = True
-                return
-    except AuKClientError:
-        raise
-    except Exception as exc:
-        raise _describe_grpc_error(exc, url, model, timeout) from None
-    finally:
-        try:
-            client.stop_stream(cancel_requests=not finished)
-        except Exception:
-            pass
-        client.close()
+    return stream_infer(model, inputs, url=url, timeout=timeout)
 
 
 def generate_latents(

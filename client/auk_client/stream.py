@@ -217,6 +217,16 @@ def stream_decode(
     import tritonclient.grpc as grpcclient
 
     latents = check_latents(latents)
+    inp = grpcclient.InferInput(INPUT_NAME, list(latents.shape), "FP32")
+    inp.set_data_from_numpy(latents)
+    return stream_infer(model, [inp], url=url, timeout=timeout)
+
+
+def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Iterator[Tile]:
+    """Send one request to a decoupled model (or an ensemble ending in one) over a gRPC
+    stream and yield a `Tile` per WAVEFORM response, until the final flag."""
+    import tritonclient.grpc as grpcclient
+
     url = _strip_scheme(url)
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
@@ -226,15 +236,13 @@ def stream_decode(
             callback=lambda result, error: responses.put((result, error)),
             stream_timeout=timeout,
         )
-        inp = grpcclient.InferInput(INPUT_NAME, list(latents.shape), "FP32")
-        inp.set_data_from_numpy(latents)
         outputs = [grpcclient.InferRequestedOutput(WAVEFORM), grpcclient.InferRequestedOutput(START_SAMPLE)]
         sent = time.perf_counter()
         deadline = sent + timeout
         try:
             client.async_stream_infer(
                 model,
-                [inp],
+                inputs,
                 outputs=outputs,
                 request_id=uuid.uuid4().hex,
                 enable_empty_final_response=True,
