@@ -28,26 +28,14 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.flow_sampler import Request, RequestError, load_sampler
+from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor
 from auk_triton.serving.settings import DEFAULT_PRESET, synthetic_checkpoint
-from auk_triton.serving.vae_decode_model import _instance_device
 from auk_triton.synthetic_dit import SYNTHETIC_DIT_WARNING, write_synthetic_dit_checkpoint
 
 DEFAULT_MAX_STEPS = 1000
 DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second, as the decoder's default
 DEFAULT_MAX_GRAPHS = 4
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _log(level: str, message: str) -> None:
-    logger = getattr(pb_utils, "Logger", None)
-    if logger is None:
-        print(f"auk_dit {level}: {message}", flush=True)
-    else:
-        getattr(logger, f"log_{level}")(message)
-
-
-def _error(message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
 def _parameters(model_config: dict) -> dict[str, str]:
@@ -86,7 +74,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         params = _parameters(self.model_config)
         model_dir = Path(args["model_repository"])
-        self.device = _instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
 
         dtype_name = params.get("dtype", "") or "auto"
         if dtype_name not in DTYPES:
@@ -104,9 +92,9 @@ class TritonPythonModel:
         if not checkpoint:
             cache = params.get("cache_dir", "") or os.environ.get("AUK_CACHE_DIR") or str(Path.home() / ".cache" / "auk_triton")
             preset = os.environ.get("AUK_PRESET") or DEFAULT_PRESET
-            _log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
+            log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
                          f"serving the synthetic '{preset}' preset")
-            _log("warn", f"*** {SYNTHETIC_DIT_WARNING} ***")
+            log("warn", f"*** {SYNTHETIC_DIT_WARNING} ***")
             checkpoint = synthetic_dit_checkpoint(Path(cache).absolute(), preset)
 
         began = time.perf_counter()
@@ -115,17 +103,16 @@ class TritonPythonModel:
             checkpoint, self.device, DTYPES[dtype_name], max_frames=self.max_frames,
             max_graphs=max_graphs if graphs == "true" else 0,
         )
-        _log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
+        log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
                      f"CUDA graphs {'on' if self.sampler.graphs else 'off'}) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")
 
     def _input(self, request, name: str, dtype, shape_rank: int, required: bool = True):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is None:
+        array = input_array(request, name)
+        if array is None:
             if required:
                 raise RequestError(f"the request has no {name} input")
             return None
-        array = tensor.as_numpy()
         if array.dtype != dtype:
             raise RequestError(f"{name} is {array.dtype.name}; this model takes {np.dtype(dtype).name}")
         if shape_rank == 0:
@@ -160,13 +147,13 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                latents = self.sampler.generate(self._request(request)).cpu().numpy()
-                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LATENTS", latents)]))
+                latents = self.sampler.generate(self._request(request)).to("cpu", torch.float32)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)]))
             except RequestError as err:
-                responses.append(_error(str(err)))
+                responses.append(error_response(str(err)))
             except Exception as err:
-                _log("error", f"{self.name}: generation failed: {type(err).__name__}: {err}")
-                responses.append(_error(f"generation failed: {type(err).__name__}: {err}"))
+                log("error", f"{self.name}: generation failed: {type(err).__name__}: {err}")
+                responses.append(error_response(f"generation failed: {type(err).__name__}: {err}"))
         return responses
 
     def finalize(self):

@@ -18,6 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.decode_graph import AuKVAEDecodeGraph
+from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor
 from auk_triton.serving.settings import (
     DEFAULT_PRESET,
     DecodeSettings,
@@ -31,42 +32,6 @@ from auk_triton.vae import AuKVAE
 TIERS = ("compiled", "graph", "eager")
 
 
-def _log(level: str, message: str) -> None:
-    logger = getattr(pb_utils, "Logger", None)
-    if logger is None:
-        print(f"auk_vae_decode {level}: {message}", flush=True)
-    else:
-        getattr(logger, f"log_{level}")(message)
-
-
-def _tensor(name: str, value: torch.Tensor):
-    """An output tensor passed by DLPack.
-
-    Not `pb_utils.Tensor(name, ndarray)`: the Python backend of Triton 2.51
-    reads numpy 2 arrays with numpy 1's layout and sends empty or wrong data,
-    while DLPack describes the buffer itself.
-    """
-    return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
-
-
-def _error(message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
-
-
-def _instance_device(kind: str, device_id: str) -> torch.device:
-    if kind != "GPU":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"the model instance is KIND_GPU but torch {torch.__version__} sees no CUDA device; "
-            "install a CUDA build of torch or serve the KIND_CPU config"
-        )
-    index = int(device_id)
-    # Pin the device before anything is allocated or captured on it.
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 class DecodeMetrics:
     """The model's counters on Triton's metrics port; no-ops where the backend has no MetricFamily."""
 
@@ -77,7 +42,7 @@ class DecodeMetrics:
         self._seen_captures = self._seen_retired = 0
         family_cls = getattr(pb_utils, "MetricFamily", None)
         if family_cls is None:
-            _log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
+            log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
             return
         try:
 
@@ -103,7 +68,7 @@ class DecodeMetrics:
                 "auk_vae_graph_generations_retired_total", "Generations of plain CUDA graphs retired"
             ).Metric(labels=labels)
         except Exception as err:  # metrics disabled on the server, or an older backend
-            _log("warn", f"custom metrics are unavailable ({err}); the model exports none")
+            log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
             self._tiles = self._audio = self._captures = self._retired = None
 
@@ -136,14 +101,14 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"])
         self.settings = settings = DecodeSettings.from_model_config(self.model_config, model_dir)
         settings.use_compile_cache()
-        self.device = _instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
 
         checkpoint = settings.checkpoint
         if not checkpoint:
             preset = os.environ.get("AUK_PRESET") or DEFAULT_PRESET
-            _log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
+            log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
                          f"serving the synthetic '{preset}' preset")
-            _log("warn", f"*** {SYNTHETIC_WARNING} ***")
+            log("warn", f"*** {SYNTHETIC_WARNING} ***")
             checkpoint = synthetic_checkpoint(settings.cache_dir, preset)
         began = time.perf_counter()
         try:
@@ -152,7 +117,7 @@ class TritonPythonModel:
             where = "" if str(checkpoint) in str(err) else f" {checkpoint}"
             raise RuntimeError(f"cannot load the AuK checkpoint{where}: {err}") from err
         self._check_io_config()
-        _log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
+        log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
 
         extra = {"first_tile_frames": settings.first_tile_frames} if settings.first_tile_frames else {}
         self.graph = AuKVAEDecodeGraph(
@@ -167,14 +132,14 @@ class TritonPythonModel:
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
             state = "compiled and captured" if ok else "FAILED (plain graphs serve it)"
-            _log("info" if ok else "warn", f"{self.name}: bucket of {frames} frames {state} in {seconds:.1f} s")
+            log("info" if ok else "warn", f"{self.name}: bucket of {frames} frames {state} in {seconds:.1f} s")
 
         began = time.perf_counter()
         self.graph.warmup(self.device, on_bucket=on_bucket)
         self.metrics = DecodeMetrics({"model": self.name, "version": str(args["model_version"])})
         self.metrics.graphs(self.graph)
         self.frame_rate = self.vae.sample_rate / self.vae.hop_size
-        _log(
+        log(
             "info",
             f"{self.name}: ready ({'decoupled, one response per tile' if self.decoupled else 'one response per request'}; "
             f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s)",
@@ -200,10 +165,8 @@ class TritonPythonModel:
         return None
 
     def _latents(self, request) -> torch.Tensor:
-        tensor = pb_utils.get_input_tensor_by_name(request, "LATENTS")
-        # DLPack rather than as_numpy(), which misreads the buffer under numpy 2 (see _tensor).
         array = validate_latents(
-            None if tensor is None else torch.from_dlpack(tensor.to_dlpack()).numpy(),
+            input_array(request, "LATENTS"),
             self.vae.latent_dim,
             self.settings.max_frames,
             self.frame_rate,
@@ -235,15 +198,15 @@ class TritonPythonModel:
             waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
             return pb_utils.InferenceResponse(
                 output_tensors=[
-                    _tensor("WAVEFORM", waveform),
-                    _tensor("START_SAMPLE", torch.zeros(1, dtype=torch.int64)),
+                    output_tensor("WAVEFORM", waveform),
+                    output_tensor("START_SAMPLE", torch.zeros(1, dtype=torch.int64)),
                 ]
             )
         except RequestError as err:
-            return _error(str(err))
+            return error_response(str(err))
         except Exception as err:
-            _log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
-            return _error(f"decode failed: {type(err).__name__}: {err}")
+            log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
+            return error_response(f"decode failed: {type(err).__name__}: {err}")
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
@@ -255,23 +218,23 @@ class TritonPythonModel:
                     sender.send(
                         pb_utils.InferenceResponse(
                             output_tensors=[
-                                _tensor("WAVEFORM", wave),
-                                _tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
+                                output_tensor("WAVEFORM", wave),
+                                output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
                             ]
                         )
                     )
                     if sender.is_cancelled():
-                        _log("info", f"{self.name}: request cancelled after the tile at sample {start}")
+                        log("info", f"{self.name}: request cancelled after the tile at sample {start}")
                         break
             sender.send(flags=final)
         except RequestError as err:
-            sender.send(_error(str(err)), flags=final)
+            sender.send(error_response(str(err)), flags=final)
         except Exception as err:
-            _log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
+            log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
             try:
-                sender.send(_error(f"decode failed: {type(err).__name__}: {err}"), flags=final)
+                sender.send(error_response(f"decode failed: {type(err).__name__}: {err}"), flags=final)
             except Exception as send_err:  # the final flag was already sent, or the client is gone
-                _log("error", f"{self.name}: could not send the error response: {send_err}")
+                log("error", f"{self.name}: could not send the error response: {send_err}")
 
     def finalize(self):
         self.graph = self.vae = self.metrics = None
