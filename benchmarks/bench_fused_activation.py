@@ -40,7 +40,6 @@ Options: --buckets 128 512 (compile the 128 bucket too, ~+80 s), --max-autotune
 
 import argparse
 import datetime
-import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from auk_triton.activations import Activation1d
 from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AuKVAE
+from bench_decode import median_ms  # this folder is on sys.path when run as a script
 
 # (channels, samples) of each stage's activations in the `auk` geometry at 512 frames,
 # and how many activations of that shape one decode runs.
@@ -84,20 +84,6 @@ def graph_us(calls, repeats: int = 4) -> float:
     ms = median_ms(graph.replay, iters=10, warmup=2)
     del graph
     return ms * 1e3 / (repeats * len(calls))
-
-
-def median_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
