@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ import torch
 from auk_triton.flow_sampler import Request, load_sampler
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.synthetic_dit import write_synthetic_dit_checkpoint
+from bench_serving import start_server  # this folder is on sys.path when run as a script
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
@@ -77,41 +75,6 @@ def in_process(checkpoint: Path, recipe: dict, embeds: np.ndarray, seconds: floa
     del sampler
     torch.cuda.empty_cache()
     return statistics.median(times)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(checkpoint: Path, cache: Path, log_path: Path):
-    import tritonclient.grpc as grpcclient
-
-    from auk_triton.server import server_command
-
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu",
-               AUK_MODELS=",".join(MODELS))
-    argv, env = server_command(ports=ports, env=env, extra_args=["--log-verbose=0"])
-    if not any(arg.startswith("--model-control-mode") for arg in argv):  # a launcher without AUK_MODELS
-        argv += ["--model-control-mode=explicit"] + [f"--load-model={m}" for m in MODELS]
-    process = subprocess.Popen(argv, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{ports['grpc']}"
-    client = grpcclient.InferenceServerClient(url)
-    began = time.perf_counter()
-    while time.perf_counter() - began < 900:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
-        try:
-            if all(client.is_model_ready(m) for m in MODELS):
-                print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
-                return process, url
-        except Exception:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"tritonserver not ready after 900 s; see {log_path}")
 
 
 def served(url: str, recipe: dict, embeds: np.ndarray, seconds: float, reps: int) -> dict:
@@ -162,7 +125,7 @@ def main() -> None:
               f"CUDA graphs {rows[name]['local']:.1f} ms", flush=True)
     if not args.no_server:
         for name in args.recipes:
-            process, url = start_server(dirs[name], cache, Path(args.log))
+            process, url = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900)
             try:
                 rows[name].update(served(url, RECIPES[name], embeds, args.seconds, args.reps))
             finally:

@@ -80,30 +80,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(checkpoint: Path, cache: Path, log_path: Path):
+def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480):
+    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the GPU config."""
     import tritonclient.grpc as grpcclient
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu")
-    argv, env = server_command(ports=ports, env=env, extra_args=[
-        "--model-control-mode=explicit", f"--load-model={MODEL}", "--exit-timeout-secs=5"])
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu",
+               AUK_MODELS=",".join(models))
+    argv, env = server_command(ports=ports, env=env, extra_args=["--exit-timeout-secs=5"])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{ports['grpc']}"
     began = time.perf_counter()
     client = grpcclient.InferenceServerClient(url)
-    while time.perf_counter() - began < 480:
+    while time.perf_counter() - began < ready_timeout_s:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
         try:
-            if client.is_model_ready(MODEL):
+            if all(client.is_model_ready(model) for model in models):
                 print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
                 return process, url
         except Exception:
             pass
         time.sleep(0.5)
     process.kill()
-    raise RuntimeError(f"tritonserver not ready after 480 s; see {log_path}")
+    raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
 
 
 def client_loop(url: str, latents: np.ndarray, reps: int, out: list, barrier: threading.Barrier) -> None:
