@@ -123,11 +123,14 @@ class Activation1d(nn.Module):
     # (fused_activation.py); the eager path below stays the reference and the CPU path.
     fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """act(x), or act(x + bias) with a per-channel `bias` (the preceding conv's)."""
         if self.fused and x.is_cuda:
             from .fused_activation import fused_activation
 
-            return fused_activation(x, self)
+            return fused_activation(x, self, bias=bias)
+        if bias is not None:
+            x = x + bias.view(1, -1, 1)
         return self.downsample(self.act(self.upsample(x)))
 
     @staticmethod

@@ -44,6 +44,11 @@ five shared-memory shifts; about 150 instructions, so the kernel is expected to
 be issue-bound at roughly twice its memory floor (8 bytes per sample) on an
 H200. Tiles that do not touch a clip edge skip the index clamps.
 
+The kernel can add a per-channel bias to x first (`bias`): the AMP block's
+convs1 leaves its bias out and the activation after it adds it to each loaded
+sample, the same fp32 add eager does, so no biased copy of the signal is
+written and read again.
+
 Input strides are passed to the kernel, so a non-contiguous x (a transposed or
 sliced view) is read in place, without a copy; the output is a new contiguous
 [B, C, L] tensor. The op is registered with `torch.library.triton_op`, so
@@ -65,7 +70,7 @@ from triton.language.extra import libdevice
 FILTER_TAPS = 12
 # Output samples per program = BLOCK - HALO_LANES; lanes past that only feed the shifts.
 HALO_LANES = 8
-# Launch configuration; the benchmark may sweep it. Read at call (or trace) time.
+# Launch configuration; the benchmark sweeps it. Read at call (or trace) time.
 LAUNCH = {"block": 1024, "num_warps": 4}
 
 
@@ -87,33 +92,8 @@ def _snake(u, alpha, inv_beta, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _fused_activation_kernel(
-    x_ptr,
-    y_ptr,
-    alpha_ptr,
-    beta_ptr,
-    up_ptr,
-    down_ptr,
-    L,
-    stride_xb,
-    stride_xc,
-    stride_xl,
-    stride_yb,
-    stride_yc,
-    BLOCK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOGSCALE: tl.constexpr,
-    PRECISE: tl.constexpr,
-):
-    BT: tl.constexpr = BLOCK - 8  # output samples of this program
-    pid_t = tl.program_id(0)
-    c = tl.program_id(1)
-    b = tl.program_id(2)
-    t0 = pid_t * BT
-    x_row = x_ptr + b.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc
-    y_row = y_ptr + b.to(tl.int64) * stride_yb + c.to(tl.int64) * stride_yc
-
-    # SnakeBeta parameters, as eager: exp(alpha), 1 / (exp(beta) + 1e-9).
+def _snake_params(alpha_ptr, beta_ptr, c, LOGSCALE: tl.constexpr, PRECISE: tl.constexpr):
+    """exp(alpha) and 1 / (exp(beta) + 1e-9) of channel c, as eager computes them."""
     alpha = tl.load(alpha_ptr + c)
     beta = tl.load(beta_ptr + c)
     if LOGSCALE:
@@ -123,8 +103,16 @@ def _fused_activation_kernel(
         else:
             alpha = tl.exp(alpha)
             beta = tl.exp(beta)
-    inv_beta = tl.math.div_rn(1.0, beta + 1e-9)
+    return alpha, tl.math.div_rn(1.0, beta + 1e-9)
 
+
+@triton.jit
+def _upsample_snake_lowpass(
+    xm3, xm2, xm1, x0, xp1, xp2, qa, last, p, alpha, inv_beta, up_ptr, down_ptr,
+    BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """The activation of one tile from x[qa - 3 .. qa + 2] (index-clamped) at every lane p;
+    valid for lanes p < BLOCK - 8 (the rest only feed the shifts)."""
     # Upsampling taps f[0..11] times the gain of 2 (exact: a power of two), low-pass taps g[0..11].
     f0 = tl.load(up_ptr + 0) * 2.0
     f1 = tl.load(up_ptr + 1) * 2.0
@@ -150,6 +138,58 @@ def _fused_activation_kernel(
     g9 = tl.load(down_ptr + 9)
     g10 = tl.load(down_ptr + 10)
     g11 = tl.load(down_ptr + 11)
+
+    # Polyphase upsampler, then SnakeBeta.
+    ue = f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3
+    uo = f0 * xp2 + f2 * xp1 + f4 * x0 + f6 * xm1 + f8 * xm2 + f10 * xm3
+    a = _snake(ue, alpha, inv_beta, PRECISE)
+    bo = _snake(uo, alpha, inv_beta, PRECISE)
+    # Replicate padding of the activated signal: s[negative] = s[0] = E[0] (this lane's A).
+    bo = tl.where(qa < 1, a, bo)
+    if not CAUSAL:
+        # s[past 2L-1] = s[2L-1] = O[L-1] (this lane's B).
+        a = tl.where(qa > last, bo, a)
+
+    # Low-pass and decimate: y[j] = sum_i F_i[j + i].
+    acc = tl.gather(g11 * a + g10 * bo, tl.minimum(p + 5, BLOCK - 1), 0)
+    acc += tl.gather(g9 * a + g8 * bo, tl.minimum(p + 4, BLOCK - 1), 0)
+    acc += tl.gather(g7 * a + g6 * bo, tl.minimum(p + 3, BLOCK - 1), 0)
+    acc += tl.gather(g5 * a + g4 * bo, tl.minimum(p + 2, BLOCK - 1), 0)
+    acc += tl.gather(g3 * a + g2 * bo, tl.minimum(p + 1, BLOCK - 1), 0)
+    acc += g1 * a + g0 * bo
+    return acc
+
+
+@triton.jit
+def _fused_activation_kernel(
+    x_ptr,
+    y_ptr,
+    bias_ptr,
+    alpha_ptr,
+    beta_ptr,
+    up_ptr,
+    down_ptr,
+    L,
+    stride_xb,
+    stride_xc,
+    stride_xl,
+    stride_yb,
+    stride_yc,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOGSCALE: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One program per (BLOCK - 8 output samples, channel, batch)."""
+    BT: tl.constexpr = BLOCK - 8  # output samples of this program
+    pid_t = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = pid_t * BT
+    x_row = x_ptr + b.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc
+    y_row = y_ptr + b.to(tl.int64) * stride_yb + c.to(tl.int64) * stride_yc
+    alpha, inv_beta = _snake_params(alpha_ptr, beta_ptr, c, LOGSCALE, PRECISE)
 
     p = tl.arange(0, BLOCK)
     # Lane p holds A = E[qa] and B = O[qa - 1].
@@ -177,42 +217,35 @@ def _fused_activation_kernel(
         x0 = tl.load(x_row + tl.minimum(qc, last) * stride_xl)
         xp1 = tl.load(x_row + tl.minimum(qc + 1, last) * stride_xl)
         xp2 = tl.load(x_row + tl.minimum(qc + 2, last) * stride_xl)
+    if HAS_BIAS:
+        # The preceding convolution's bias, added to every sample as eager adds it.
+        bias = tl.load(bias_ptr + c)
+        xm3 += bias
+        xm2 += bias
+        xm1 += bias
+        x0 += bias
+        xp1 += bias
+        xp2 += bias
 
-    # Polyphase upsampler, then SnakeBeta.
-    ue = f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3
-    uo = f0 * xp2 + f2 * xp1 + f4 * x0 + f6 * xm1 + f8 * xm2 + f10 * xm3
-    a = _snake(ue, alpha, inv_beta, PRECISE)
-    bo = _snake(uo, alpha, inv_beta, PRECISE)
-    # Replicate padding of the activated signal: s[negative] = s[0] = E[0] (this lane's A).
-    bo = tl.where(qa < 1, a, bo)
-    if not CAUSAL:
-        # s[past 2L-1] = s[2L-1] = O[L-1] (this lane's B).
-        a = tl.where(qa > last, bo, a)
-
-    # Low-pass and decimate: y[j] = sum_i F_i[j + i].
-    acc = tl.gather(g11 * a + g10 * bo, tl.minimum(p + 5, BLOCK - 1), 0)
-    acc += tl.gather(g9 * a + g8 * bo, tl.minimum(p + 4, BLOCK - 1), 0)
-    acc += tl.gather(g7 * a + g6 * bo, tl.minimum(p + 3, BLOCK - 1), 0)
-    acc += tl.gather(g5 * a + g4 * bo, tl.minimum(p + 2, BLOCK - 1), 0)
-    acc += tl.gather(g3 * a + g2 * bo, tl.minimum(p + 1, BLOCK - 1), 0)
-    acc += g1 * a + g0 * bo
-
+    acc = _upsample_snake_lowpass(
+        xm3, xm2, xm1, x0, xp1, xp2, qa, last, p, alpha, inv_beta, up_ptr, down_ptr, BLOCK, CAUSAL, PRECISE
+    )
     t = t0 + p
     tl.store(y_row + t, acc, mask=(p < BT) & (t < L))
 
 
-def _block_for(length: int) -> int:
-    block = int(LAUNCH["block"])
-    while block > 64 and length <= (block // 2) - HALO_LANES:
+def _time_block(block: int, length: int) -> int:
+    """`block` lanes, halved while a tile would be less than half used (short clips)."""
+    while block > 32 and length <= (block // 2) - HALO_LANES:
         block //= 2
     return block
 
 
 def _launch(
-    y: torch.Tensor, x: torch.Tensor, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
+    y: torch.Tensor, x: torch.Tensor, bias, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
     traceable: bool = True,
 ):
-    """Write act(x) into y (a contiguous [B, C, L] float32 tensor).
+    """Write act(x + bias) into y (a contiguous [B, C, L] float32 tensor); `bias` may be None.
 
     `traceable` (inside the custom op) goes through `wrap_triton`, so that tracing
     sees the kernel; a direct call (the `out=` path) launches the kernel as is.
@@ -220,7 +253,7 @@ def _launch(
     batch, channels, length = x.shape
     if batch == 0 or channels == 0 or length == 0:
         return
-    block = _block_for(length)
+    block = _time_block(int(LAUNCH["block"]), length)
     grid = (triton.cdiv(length, block - HALO_LANES), channels, batch)
     interpreting = _interpreting()
     # The interpreter's kernel object cannot be traced (and older torch refuses to wrap it).
@@ -230,6 +263,7 @@ def _launch(
     kernel[grid](
         x,
         y,
+        alpha if bias is None else bias,  # any pointer when there is no bias: never read
         alpha,
         beta,
         up_filter,
@@ -241,6 +275,7 @@ def _launch(
         y.stride(0),
         y.stride(1),
         BLOCK=block,
+        HAS_BIAS=bias is not None,
         CAUSAL=causal,
         LOGSCALE=logscale,
         PRECISE=not interpreting,
@@ -251,6 +286,7 @@ def _launch(
 @torch.library.triton_op("auk::fused_activation", mutates_args=())
 def fused_activation_op(
     x: torch.Tensor,
+    bias: torch.Tensor | None,
     alpha: torch.Tensor,
     beta: torch.Tensor,
     up_filter: torch.Tensor,
@@ -258,14 +294,15 @@ def fused_activation_op(
     logscale: bool,
     causal: bool,
 ) -> torch.Tensor:
-    """Anti-aliased SnakeBeta of x [B, C, L] (float32, any strides) -> new contiguous [B, C, L]."""
+    """Anti-aliased SnakeBeta of x + bias (x [B, C, L] float32, any strides; bias [C] or None)
+    -> a new contiguous [B, C, L]."""
     y = torch.empty(tuple(x.shape), device=x.device, dtype=torch.float32)
-    _launch(y, x, alpha, beta, up_filter, down_filter, logscale, causal)
+    _launch(y, x, bias, alpha, beta, up_filter, down_filter, logscale, causal)
     return y
 
 
-def supports(x: torch.Tensor, act) -> bool:
-    """Whether the fused kernel can compute `act(x)`; otherwise callers use the eager module."""
+def supports(x: torch.Tensor, act, bias: torch.Tensor | None = None) -> bool:
+    """Whether the fused kernel can compute `act(x + bias)`; otherwise callers use the eager module."""
     up, down = act.upsample.filter, act.downsample.lowpass.filter
     return (
         x.dim() == 3
@@ -276,22 +313,33 @@ def supports(x: torch.Tensor, act) -> bool:
         and up.numel() == FILTER_TAPS
         and down.numel() == FILTER_TAPS
         and max(x.shape[2], 1) * max(abs(x.stride(2)), 1) < 2**31
+        and (
+            bias is None
+            or (bias.shape == (x.shape[1],) and bias.dtype == torch.float32 and bias.is_contiguous()
+                and bias.device == x.device)
+        )
     )
 
 
-def fused_activation(x: torch.Tensor, act, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`act(x)` for an `Activation1d` `act`, in one Triton kernel (the eager module where unsupported).
+def fused_activation(
+    x: torch.Tensor, act, out: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`act(x + bias)` for an `Activation1d` `act`, in one Triton kernel (the eager module where
+    unsupported). `bias`, per channel, is optional.
 
     `out`, a contiguous float32 tensor of x's shape, receives the result directly
     (a plain launch, not the traceable op: for tests that poison the output first).
     """
-    if not supports(x, act):
+    if not supports(x, act, bias):
+        if bias is not None:
+            x = x + bias.view(1, -1, 1)
         result = act.downsample(act.act(act.upsample(x)))
         return result if out is None else out.copy_(result)
     up = act.upsample.filter
     down = act.downsample.lowpass.filter
     args = (
         x,
+        bias,
         act.act.alpha,
         act.act.beta,
         up if up.is_contiguous() else up.contiguous(),

@@ -125,12 +125,14 @@ def main() -> None:
               f"CUDA graphs {rows[name]['local']:.1f} ms", flush=True)
     if not args.no_server:
         for name in args.recipes:
-            process, url = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900)
+            process, url, _ = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900)
             try:
                 rows[name].update(served(url, RECIPES[name], embeds, args.seconds, args.reps))
             finally:
                 process.terminate()
                 process.wait(timeout=120)
+            print(f"served, {name}: DiT {rows[name]['dit']:.1f} ms, first audio {rows[name]['first']:.1f} ms, "
+                  f"total {rows[name]['total']:.1f} ms", flush=True)
 
     print("| recipe | steps x batch | DiT eager ms | DiT graphed ms | DiT served ms | first audio ms | total ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

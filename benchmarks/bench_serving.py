@@ -1,12 +1,16 @@
 """End-to-end decode latency through a real Triton server, against the same decode in-process.
 
 One run, one GPU: first the decode in this process (the wrapper the model uses,
-warmed up the same way), then a real `tritonserver` serving `model_repository/`
+with the served defaults: the fused activation kernel, buckets 128/256/512, a
+first window of the smallest bucket; warmed up the same way), then a real
+`tritonserver` serving `model_repository/`
 on the same synthetic checkpoint, driven over gRPC streaming by `concurrency`
 clients, each on its own persistent stream. Time to first audio is the arrival
 of the first tile; total is the final response. The serving overhead is the
 server's median total over the in-process median total at concurrency 1.
 Weights are synthetic (seeded, not real audio); speed depends on geometry only.
+With `--perf-analyzer PATH`, `client/run_perf_analyzer.py` then runs a short
+pass of perf_analyzer against the same server (both decode models).
 
     python benchmarks/bench_serving.py --preset auk --seconds 2 10 60 --concurrency 1 4 16
 """
@@ -18,6 +22,7 @@ import queue
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from auk_triton.decode_graph import AuKVAEDecodeGraph
+from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph
 from auk_triton.server import server_command
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AuKVAE
 
 FRAMES_PER_SECOND = 50
 MODEL = "auk_vae_decode"
+OFFLINE_MODEL = "auk_vae_decode_offline"
 
 
 def percentile(values, q):
@@ -41,8 +47,8 @@ def percentile(values, q):
 
 def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None) -> dict:
     """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does."""
-    vae = AuKVAE.from_pretrained(checkpoint, device="cuda")
-    graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames)
+    vae = AuKVAE.from_pretrained(checkpoint, device="cuda").use_fused_activation(True)
+    graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames or None)
     graph.warmup("cuda")
     results = {}
     for seconds in seconds_list:
@@ -81,7 +87,9 @@ def free_port() -> int:
 
 
 def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480):
-    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the GPU config."""
+    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the GPU config.
+
+    Returns the process and the gRPC and HTTP addresses."""
     import tritonclient.grpc as grpcclient
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
@@ -99,7 +107,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
         try:
             if all(client.is_model_ready(model) for model in models):
                 print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
-                return process, url
+                return process, url, f"127.0.0.1:{ports['http']}"
         except Exception:
             pass
         time.sleep(0.5)
@@ -163,8 +171,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, nargs="+", default=[2, 10, 60])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=8, help="requests per client per cell")
-    parser.add_argument("--first-tile-frames", type=int, default=None,
-                        help="as the served model's first_tile_frames parameter (empty there: off)")
+    parser.add_argument("--first-tile-frames", type=int, default=min(DEFAULT_COMPILE_SHAPES),
+                        help="the in-process first window, as the served default (the smallest bucket); 0: off")
+    parser.add_argument("--perf-analyzer", default=None, help="a perf_analyzer binary: also run a short pass of it")
     parser.add_argument("--cache-dir", default=None, help="AUK_CACHE_DIR for the server (compile caches)")
     parser.add_argument("--log", default="tritonserver.log")
     args = parser.parse_args()
@@ -180,7 +189,8 @@ def main() -> None:
         print(f"in-process {seconds:g} s: first tile {local[seconds][0]:.2f} ms, total {local[seconds][1]:.2f} ms",
               flush=True)
 
-    process, url = start_server(checkpoint, cache, Path(args.log))
+    models = (MODEL, OFFLINE_MODEL) if args.perf_analyzer else (MODEL,)
+    process, url, http_url = start_server(checkpoint, cache, Path(args.log), models)
     try:
         print("| audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s | in-process total ms |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
@@ -192,6 +202,15 @@ def main() -> None:
                 print(f"| {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
                       f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "
                       f"{local[seconds][1]:.1f} |", flush=True)
+        if args.perf_analyzer:
+            script = Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"
+            subprocess.run(
+                [sys.executable, str(script), "--perf-analyzer", args.perf_analyzer, "--grpc-url", url,
+                 "--http-url", http_url, "--seconds", "10", "--concurrency", "1,4",
+                 "--measurement-mode", "count_windows", "--measurement-request-count", "20",
+                 "--max-trials", "4", "--first-audio-requests", "8", "--out-dir", str(cache / "perf")],
+                check=False,
+            )
     finally:
         process.terminate()
         process.wait(timeout=60)

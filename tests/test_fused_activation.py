@@ -39,53 +39,61 @@ EDGE = 24  # output samples checked separately at each clip edge
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# (batch, channels, length, layout, causal, logscale, random_taps)
+# (batch, channels, length, layout, causal, logscale, random_taps, bias)
+# bias: a per-channel bias added to the input (the preceding conv's), folded into the kernel's loads.
 # layout: "contiguous"; "transposed" (a [B, L, C] tensor viewed as [B, C, L]);
 # "strided" (every other sample of a longer row); "channels" (every other channel).
 INTERPRETER_CASES = [
-    (1, 24, 1, "contiguous", True, True, False),
-    (1, 24, 2, "contiguous", True, True, False),
-    (2, 24, 7, "contiguous", True, True, False),
-    (1, 24, 11, "transposed", True, True, False),
-    (1, 32, 57, "contiguous", True, True, True),
-    (1, 8, 1016, "contiguous", True, True, False),
-    (1, 8, 1017, "strided", True, True, False),
-    (1, 4, 3001, "contiguous", True, True, True),
-    (2, 48, 333, "channels", True, True, False),
-    (1, 96, 97, "transposed", True, True, False),
-    (1, 2, 20001, "contiguous", True, True, False),
-    (1, 384, 3, "contiguous", True, True, False),
-    (1, 24, 1, "contiguous", False, True, False),
-    (1, 24, 13, "contiguous", False, True, False),
-    (1, 8, 2047, "strided", False, True, True),
-    (1, 24, 129, "contiguous", True, False, False),
+    (1, 24, 1, "contiguous", True, True, False, False),
+    (1, 24, 2, "contiguous", True, True, False, False),
+    (2, 24, 7, "contiguous", True, True, False, False),
+    (1, 24, 11, "transposed", True, True, False, False),
+    (1, 32, 57, "contiguous", True, True, True, True),
+    (1, 8, 1016, "contiguous", True, True, False, False),
+    (1, 8, 1017, "strided", True, True, False, True),
+    (1, 4, 3001, "contiguous", True, True, True, False),
+    (2, 48, 333, "channels", True, True, False, True),
+    (1, 96, 97, "transposed", True, True, False, False),
+    (1, 2, 20001, "contiguous", True, True, False, False),
+    (1, 384, 3, "contiguous", True, True, False, False),
+    (1, 24, 1, "contiguous", False, True, False, False),
+    (1, 24, 13, "contiguous", False, True, False, True),
+    (1, 8, 2047, "strided", False, True, True, False),
+    (1, 24, 129, "contiguous", True, False, False, False),
+    (1, 24, 300, "transposed", True, True, False, True),
+    (1, 12, 77, "transposed", False, True, True, False),
 ]
 
 GPU_CASES = [
-    (1, 768, 2560, "contiguous", True, True, False),
-    (1, 384, 10240, "contiguous", True, True, False),
-    (1, 192, 30720, "contiguous", True, True, False),
-    (1, 96, 61440, "contiguous", True, True, False),
-    (1, 48, 100000, "contiguous", True, True, False),
-    (1, 24, 100001, "contiguous", True, True, True),
-    (2, 64, 1, "contiguous", True, True, False),
-    (1, 512, 2, "contiguous", True, True, False),
-    (1, 200, 7, "transposed", True, True, False),
-    (3, 100, 12345, "transposed", True, True, False),
-    (2, 256, 4097, "strided", True, True, True),
-    (2, 384, 999, "channels", True, True, False),
-    (1, 24, 33333, "contiguous", False, True, False),
-    (1, 96, 5001, "contiguous", False, False, True),
-    (1, 31, 1017, "contiguous", True, False, False),
-    (4, 24, 50001, "contiguous", True, True, False),
+    (1, 768, 2560, "contiguous", True, True, False, False),
+    (1, 384, 10240, "contiguous", True, True, False, False),
+    (1, 192, 30720, "contiguous", True, True, False, True),
+    (1, 96, 61440, "contiguous", True, True, False, False),
+    (1, 48, 100000, "contiguous", True, True, False, False),
+    (1, 24, 100001, "contiguous", True, True, True, True),
+    (2, 64, 1, "contiguous", True, True, False, False),
+    (1, 512, 2, "contiguous", True, True, False, False),
+    (1, 200, 7, "transposed", True, True, False, False),
+    (3, 100, 12345, "transposed", True, True, False, True),
+    (2, 256, 4097, "strided", True, True, True, False),
+    (2, 384, 999, "channels", True, True, False, True),
+    (1, 24, 33333, "contiguous", False, True, False, False),
+    (1, 96, 5001, "contiguous", False, False, True, True),
+    (1, 31, 1017, "contiguous", True, False, False, False),
+    (4, 24, 50001, "contiguous", True, True, False, False),
+    (1, 768, 2560, "transposed", True, True, False, True),
+    (1, 96, 61440, "transposed", True, True, False, True),
+    (1, 24, 100001, "transposed", True, True, True, False),
+    (1, 48, 4097, "transposed", False, True, False, True),
+    (2, 31, 999, "transposed", True, False, False, True),
 ]
 
 
 def _case_id(case) -> str:
-    batch, channels, length, layout, causal, logscale, taps = case
+    batch, channels, length, layout, causal, logscale, taps, bias = case
     return (
         f"{batch}x{channels}x{length}-{layout}-{'causal' if causal else 'centered'}"
-        f"{'' if logscale else '-linear'}{'-taps' if taps else ''}"
+        f"{'' if logscale else '-linear'}{'-taps' if taps else ''}{'-bias' if bias else ''}"
     )
 
 
@@ -114,7 +122,7 @@ def run_case(case, device: str, seed: int) -> dict:
     from auk_triton.activations import Activation1d
     from auk_triton.fused_activation import fused_activation
 
-    batch, channels, length, layout, causal, logscale, random_taps = case
+    batch, channels, length, layout, causal, logscale, random_taps, with_bias = case
     generator = torch.Generator().manual_seed(seed)
     act = Activation1d(channels, logscale, causal).requires_grad_(False)
     with torch.no_grad():
@@ -129,19 +137,20 @@ def run_case(case, device: str, seed: int) -> dict:
             act.downsample.lowpass.filter.copy_(torch.randn(1, 1, 12, generator=generator) / 4)
     act = act.to(device)
     x = _input(batch, channels, length, layout, generator, device)
+    bias = (torch.randn(channels, generator=generator) * 0.3).to(device) if with_bias else None
 
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # the reference in plain fp32
     try:
         with torch.no_grad():
-            expected = act(x)
+            expected = act(x, bias=bias)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
 
     poisoned = torch.full((batch, channels, length), float("nan"), device=device)
     with torch.no_grad():
-        written = fused_activation(x, act, out=poisoned)
-        op_out = fused_activation(x, act)
+        written = fused_activation(x, act, out=poisoned, bias=bias)
+        op_out = fused_activation(x, act, bias=bias)
     edge = min(EDGE, length)
     return {
         "id": _case_id(case),
@@ -227,10 +236,12 @@ def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
         act.fused = False
         expected = act(x) + 1.0
     assert _rel_l2(out, expected) <= TOLERANCE
-    args = (x, act.act.alpha, act.act.beta, act.upsample.filter, act.downsample.lowpass.filter, True, True)
-    torch.library.opcheck(
-        fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    )
+    filters = (act.upsample.filter, act.downsample.lowpass.filter)
+    for bias in (None, torch.randn(64, device="cuda")):
+        args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True)
+        torch.library.opcheck(
+            fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
 
 
 @pytest.fixture(scope="module")

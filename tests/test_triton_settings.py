@@ -28,6 +28,8 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.checkpoint == ""
     assert settings.compile_shapes == (128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
+    assert settings.first_window_frames() == 128, "a long clip starts with the smallest bucket"
+    assert settings.fused_activation is True
     assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
     assert settings.enable_cuda_graphs is True
     assert settings.cache_dir == Path("/c")
@@ -61,11 +63,23 @@ def test_auk_checkpoint_overrides_the_parameter_and_relative_parameters_follow_t
         ("tile_frames", "big", "must be an integer"),
         ("max_frames", "0", "at least 1"),
         ("enable_cuda_graphs", "maybe", "true or false"),
+        ("fused_activation", "fast", "true or false"),
+        ("first_tile_frames", "-1", "at least 0"),
     ],
 )
 def test_a_bad_config_parameter_fails_the_load_naming_it(name, value, words, tmp_path):
     with pytest.raises(ValueError, match=f"{name}.*{words}"):
         DecodeSettings.from_model_config({"parameters": {name: {"string_value": value}}}, tmp_path, environ={})
+
+
+@pytest.mark.parametrize(
+    "shapes, first_tile, window",
+    [("128,256,512", "", 128), ("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("", "", None)],
+)
+def test_the_first_window_is_the_smallest_bucket_unless_configured(shapes, first_tile, window, tmp_path):
+    params = {"compile_shapes": {"string_value": shapes}, "first_tile_frames": {"string_value": first_tile}}
+    settings = DecodeSettings.from_model_config({"parameters": params}, tmp_path, environ={})
+    assert settings.first_window_frames() == window
 
 
 def test_validate_latents_accepts_a_good_clip_and_names_each_problem():

@@ -35,6 +35,7 @@ class DecodeSettings:
     max_graphs: int
     frame_alignment: int
     enable_cuda_graphs: bool
+    fused_activation: bool
     max_frames: int
     cache_dir: Path
 
@@ -79,22 +80,34 @@ class DecodeSettings:
         if any(s <= 0 for s in compile_shapes):
             raise ValueError(f"config parameter compile_shapes is {shapes_text!r}; frame counts must be positive")
 
-        graphs_text = raw.get("enable_cuda_graphs", "true").lower() or "true"
-        if graphs_text not in _TRUE | _FALSE:
-            raise ValueError(f"config parameter enable_cuda_graphs is {graphs_text!r}; use true or false")
+        def bool_param(name: str, default: bool) -> bool:
+            text = raw.get(name, "").lower()
+            if text == "":
+                return default
+            if text not in _TRUE | _FALSE:
+                raise ValueError(f"config parameter {name} is {text!r}; use true or false")
+            return text in _TRUE
 
         cache_dir = path_param("cache_dir") or environ.get("AUK_CACHE_DIR") or str(Path.home() / ".cache" / "auk_triton")
         return cls(
             checkpoint=environ.get("AUK_CHECKPOINT") or path_param("checkpoint"),
             compile_shapes=compile_shapes,
             tile_frames=int_param("tile_frames", None, 0),
-            first_tile_frames=int_param("first_tile_frames", None, 1),
+            first_tile_frames=int_param("first_tile_frames", None, 0),
             max_graphs=int_param("max_graphs", 32, 1),
             frame_alignment=int_param("frame_alignment", 1, 1),
-            enable_cuda_graphs=graphs_text in _TRUE,
+            enable_cuda_graphs=bool_param("enable_cuda_graphs", True),
+            fused_activation=bool_param("fused_activation", True),
             max_frames=int_param("max_frames", DEFAULT_MAX_FRAMES, 1),
             cache_dir=Path(cache_dir).absolute(),
         )
+
+    def first_window_frames(self) -> int | None:
+        """The first decode window of a long clip: `first_tile_frames`, else the smallest
+        compile shape (one small replay before the first audio); 0 turns it off."""
+        if self.first_tile_frames is not None:
+            return self.first_tile_frames or None
+        return min(self.compile_shapes, default=None)
 
     def use_compile_cache(self, environ=os.environ) -> None:
         """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""

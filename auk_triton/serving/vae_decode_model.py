@@ -118,8 +118,9 @@ class TritonPythonModel:
             raise RuntimeError(f"cannot load the AuK checkpoint{where}: {err}") from err
         self._check_io_config()
         log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
+        if settings.fused_activation and self.device.type == "cuda":
+            self._use_fused_activation()
 
-        extra = {"first_tile_frames": settings.first_tile_frames} if settings.first_tile_frames else {}
         self.graph = AuKVAEDecodeGraph(
             self.vae,
             enabled=settings.enable_cuda_graphs,
@@ -127,7 +128,7 @@ class TritonPythonModel:
             max_graphs=settings.max_graphs,
             compile_shapes=settings.compile_shapes,
             tile_frames=settings.tile_frames,
-            **extra,
+            first_tile_frames=settings.first_window_frames(),
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -144,6 +145,17 @@ class TritonPythonModel:
             f"{self.name}: ready ({'decoupled, one response per tile' if self.decoupled else 'one response per request'}; "
             f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s)",
         )
+
+    def _use_fused_activation(self) -> None:
+        """The one-kernel anti-aliased activation (fused_activation.py); eager if Triton is missing."""
+        try:
+            import auk_triton.fused_activation  # noqa: F401  (needs the triton package)
+        except ImportError as err:
+            log("warn", f"{self.name}: fused_activation is on but its kernel cannot load ({err}); "
+                        "decoding with the eager activations")
+            return
+        self.vae.use_fused_activation(True)
+        log("info", f"{self.name}: anti-aliased activations run as one fused Triton kernel")
 
     def _check_io_config(self) -> None:
         """The config's LATENTS width must be the checkpoint's latent_dim."""
@@ -173,28 +185,38 @@ class TritonPythonModel:
         )
         return torch.from_numpy(array).to(self.device).unsqueeze(0)
 
-    def _tiles(self, latents: torch.Tensor):
-        """Yield (start_sample, float32 waveform on the host) per decoded tile, in order."""
+    def _tiles(self, latents: torch.Tensor, decoded: list):
+        """Yield (start_sample, float32 waveform on the host) per decoded tile, in order.
+
+        Appends (tier, seconds, audio seconds) per tile to `decoded`; the caller
+        reports them to the metrics once the response is complete, because every
+        metric update is a round trip to the server process that would otherwise
+        sit between a tile and its delivery.
+        """
         hop, rate = self.vae.hop_size, self.vae.sample_rate
         tiles = self.graph.decode_tiles(latents)
-        try:
-            while True:
-                began = time.perf_counter()
-                item = next(tiles, None)
-                if item is None:
-                    return
-                start_frame, wave = item
-                # Off the graph buffers before the next tile overwrites them.
-                host = wave[0].to("cpu", dtype=torch.float32, copy=True)
-                self.metrics.tile(self.graph.last_mode, time.perf_counter() - began, host.numel() / rate)
-                yield start_frame * hop, host
-        finally:
-            tiles.close()
-            self.metrics.graphs(self.graph)
+        while True:
+            began = time.perf_counter()
+            item = next(tiles, None)
+            if item is None:
+                return
+            start_frame, wave = item
+            # Off the graph buffers before the next tile overwrites them; pinned host
+            # memory (cached by torch) makes the copy a DMA at full bus speed.
+            host = torch.empty(wave.shape[1], dtype=torch.float32, pin_memory=wave.is_cuda)
+            host.copy_(wave[0])
+            decoded.append((self.graph.last_mode, time.perf_counter() - began, host.numel() / rate))
+            yield start_frame * hop, host
+
+    def _report(self, decoded: list) -> None:
+        for tier, seconds, audio_seconds in decoded:
+            self.metrics.tile(tier, seconds, audio_seconds)
+        self.metrics.graphs(self.graph)
 
     def _respond(self, request):
+        decoded = []
         try:
-            parts = [wave for _, wave in self._tiles(self._latents(request))]
+            parts = [wave for _, wave in self._tiles(self._latents(request), decoded)]
             waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
             return pb_utils.InferenceResponse(
                 output_tensors=[
@@ -207,25 +229,30 @@ class TritonPythonModel:
         except Exception as err:
             log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
             return error_response(f"decode failed: {type(err).__name__}: {err}")
+        finally:
+            self._report(decoded)
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        decoded = []
         try:
             latents = self._latents(request)
-            if not sender.is_cancelled():
-                for start, wave in self._tiles(latents):
-                    sender.send(
-                        pb_utils.InferenceResponse(
-                            output_tensors=[
-                                output_tensor("WAVEFORM", wave),
-                                output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
-                            ]
-                        )
+            total = latents.shape[1] * self.vae.hop_size
+            for start, wave in self._tiles(latents, decoded):
+                sender.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[
+                            output_tensor("WAVEFORM", wave),
+                            output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
+                        ]
                     )
-                    if sender.is_cancelled():
-                        log("info", f"{self.name}: request cancelled after the tile at sample {start}")
-                        break
+                )
+                # Asking about cancellation is a round trip to the server: ask only
+                # where another tile would follow, so a one-tile clip never waits on it.
+                if start + wave.numel() < total and sender.is_cancelled():
+                    log("info", f"{self.name}: request cancelled after the tile at sample {start}")
+                    break
             sender.send(flags=final)
         except RequestError as err:
             sender.send(error_response(str(err)), flags=final)
@@ -235,6 +262,8 @@ class TritonPythonModel:
                 sender.send(error_response(f"decode failed: {type(err).__name__}: {err}"), flags=final)
             except Exception as send_err:  # the final flag was already sent, or the client is gone
                 log("error", f"{self.name}: could not send the error response: {send_err}")
+        finally:
+            self._report(decoded)
 
     def finalize(self):
         self.graph = self.vae = self.metrics = None
