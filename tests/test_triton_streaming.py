@@ -186,6 +186,12 @@ def test_metrics_count_tiles_audio_seconds_and_decode_time_per_tier(triton, open
     outcome = stream.collect()["counted"]
     assert outcome.error is None
 
+    # The model reports a request's metrics after its final response, so they may
+    # land a moment after the client has it.
+    deadline = time.monotonic() + 30
+    while triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] < len(outcome.tiles):
+        assert time.monotonic() < deadline, "the tile counter never caught up with the tiles sent"
+        time.sleep(0.05)
     assert triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] == len(outcome.tiles)
     audio = triton.metric("auk_vae_audio_seconds_total", **labels) - before[names[1]]
     assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
