@@ -25,21 +25,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from auk_triton import vae as vae_module
-from auk_triton.activations import Activation1d
 from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_decode import median_ms  # noqa: E402
+from bench_decode import median_ms  # this folder is on sys.path when run as a script
 
 
 def say(line: str = "") -> None:
     print(line, flush=True)
 
 
-# ---- the layout before this module's optimisations, for the same-run comparison -----------
+# ---- the convolutions as they were before, for the same-run comparison ---------------------
 
 
 def _padded_causal_conv(self, x, bias=True):
