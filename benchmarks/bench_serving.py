@@ -3,9 +3,9 @@
 One run, one GPU: first the decode in this process (the wrapper the model uses,
 with the served defaults: the fused activation kernel, buckets 128/256/512, a
 first window of the smallest bucket; warmed up the same way), then a real
-`tritonserver` serving `model_repository/`
-on the same synthetic checkpoint, driven over gRPC streaming by `concurrency`
-clients, each on its own persistent stream. Time to first audio is the arrival
+`tritonserver` serving `model_repository/` on the same synthetic checkpoint,
+driven over gRPC streaming by `concurrency` clients, each on its own persistent
+stream. Time to first audio is the arrival
 of the first tile; total is the final response. The serving overhead is the
 server's median total over the in-process median total at concurrency 1.
 Weights are synthetic (seeded, not real audio); speed depends on geometry only.
