@@ -234,17 +234,14 @@ class Attention(nn.Module):
         return _zero_padded_rows(self.to_out[0](_attend(q, k, v, bias)), mask)
 
 
-class JointAttention(nn.Module):
-    """Double-block attention: audio and text keep their own weights, attend over [audio | text]."""
+class JointAttention(Attention):
+    """Double-block attention: audio and text keep their own weights, attend over [audio | text].
+
+    The audio side's weights are Attention's; the text side's carry a `c` suffix."""
 
     def __init__(self, dim: int, heads: int, dim_head: int):
-        super().__init__()
+        super().__init__(dim, heads, dim_head)
         inner = heads * dim_head
-        self.heads = heads
-        self.to_qkv = nn.Linear(dim, 3 * inner)
-        self.q_norm = nn.RMSNorm(dim_head)
-        self.k_norm = nn.RMSNorm(dim_head)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.to_qkv_c = nn.Linear(dim, 3 * inner)
         self.c_q_norm = nn.RMSNorm(dim_head)
         self.c_k_norm = nn.RMSNorm(dim_head)

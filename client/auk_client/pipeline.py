@@ -33,6 +33,7 @@ from .stream import (
     _describe_grpc_error,
     _strip_scheme,
     check_latents,
+    read_npy,
     stream_infer,
 )
 from .wavio import FLOAT32, PCM16, WavWriter
@@ -57,13 +58,7 @@ def check_prompt_embeds(embeds: np.ndarray, what: str = "prompt embeddings") -> 
 
 
 def load_prompt_embeds(path: str) -> np.ndarray:
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise BadInput(f"no such prompt embeddings file: {path}") from None
-    except (ValueError, OSError) as exc:
-        raise BadInput(f"cannot read {path} as a .npy array: {exc}") from None
-    return check_prompt_embeds(arr, what=f"prompt embeddings in {path}")
+    return check_prompt_embeds(read_npy(path, "prompt embeddings"), what=f"prompt embeddings in {path}")
 
 
 def random_prompt_embeds(tokens: int, seed: int) -> np.ndarray:

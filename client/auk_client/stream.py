@@ -95,15 +95,19 @@ def check_latents(latents: np.ndarray, what: str = "latents") -> np.ndarray:
     return arr
 
 
-def load_latents(path: str) -> np.ndarray:
-    """Read latents from a .npy file ([frames, dim] or [1, frames, dim])."""
+def read_npy(path: str, what: str) -> np.ndarray:
+    """A .npy array from `path`; a missing or unreadable file is a BadInput naming `what`."""
     try:
-        arr = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except FileNotFoundError:
-        raise BadInput(f"no such latents file: {path}") from None
+        raise BadInput(f"no such {what} file: {path}") from None
     except (ValueError, OSError) as exc:
         raise BadInput(f"cannot read {path} as a .npy array: {exc}") from None
-    return check_latents(arr, what=f"latents in {path}")
+
+
+def load_latents(path: str) -> np.ndarray:
+    """Read latents from a .npy file ([frames, dim] or [1, frames, dim])."""
+    return check_latents(read_npy(path, "latents"), what=f"latents in {path}")
 
 
 def frames_for_seconds(seconds: float) -> int:
