@@ -53,13 +53,16 @@ def _bias_in_conv_block(self, x):
 
 
 class Variant:
-    """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark."""
+    """A decode configuration: fused activation on/off, the conv kernel up to some width
+    (0: cuDNN everywhere), padded-copy convs, cudnn.benchmark."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False):
+    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, conv_channels=0):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
+        self.conv_channels = conv_channels
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
+        vae.use_fused_conv(self.conv_channels > 0, self.conv_channels)
 
     def __enter__(self):
         self.saved = (CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark)
@@ -78,6 +81,9 @@ VARIANTS = [
     Variant("fused activation, padded-copy convs", fused=True, padded_convs=True),
     Variant("fused activation", fused=True),
     Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
+    Variant("fused activation + conv kernel up to 96 channels", fused=True, conv_channels=96),
+    Variant("fused activation + conv kernel up to 192 channels", fused=True, conv_channels=192),
+    Variant("fused activation + conv kernel at every width", fused=True, conv_channels=768),
 ]
 
 
@@ -251,6 +257,8 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also compile buckets (about a minute each)")
     parser.add_argument("--compiled-variants", type=int, nargs="*", default=[0, 3],
                         help="indices into VARIANTS to compile")
+    parser.add_argument("--plain-variants", type=int, nargs="*", default=list(range(len(VARIANTS))),
+                        help="indices into VARIANTS to run as plain graphs and profile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -265,7 +273,8 @@ def main() -> None:
     measured = {}
 
     say("\n## Plain CUDA graph (eager kernels) per variant\n")
-    for index, variant in enumerate(VARIANTS):
+    for index in args.plain_variants:
+        variant = VARIANTS[index]
         with variant:
             variant.apply(vae)
             graph = AuKVAEDecodeGraph(vae, compile_shapes=())
@@ -299,6 +308,7 @@ def main() -> None:
                 groups = collections.Counter()
                 for name, us in by_kernel.items():
                     group = ("fused activation" if "fused_activation" in name else
+                             "conv kernel (Triton)" if "causal_conv1d" in name else
                              "inductor pointwise/reduction" if name.startswith("triton_") else
                              "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
                              "other")
