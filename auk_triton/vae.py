@@ -52,27 +52,13 @@ class CausalConv1d(nn.Conv1d):
     L + left); its consumers read strided rows.
 
     `bias=False` leaves the bias out, for a consumer that adds it itself (the
-    fused activation folds it into its input loads). `residual`, where given, is
-    added to the output (the AMP block's skip connection).
-
-    With `fused` set (AuKVAE.use_fused_conv) a CUDA input runs through the Triton
-    kernel in fused_conv.py instead, which writes the causal output directly and
-    adds the residual in the same pass.
+    fused activation folds it into its input loads).
     """
 
-    fused = False
-
-    def forward(self, x: torch.Tensor, bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
-        b = self.bias if bias else None
-        if self.fused and x.is_cuda:
-            from .fused_conv import causal_conv1d, supports
-
-            if supports(x, self.weight, b, residual):
-                return causal_conv1d(x, self.weight, b, residual, self.dilation[0])
+    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         left = self.dilation[0] * (self.kernel_size[0] - 1)
-        out = F.conv1d(x, self.weight, b, 1, left, self.dilation[0])
-        out = out[..., : x.shape[-1]] if left else out
-        return out if residual is None else residual + out
+        out = F.conv1d(x, self.weight, self.bias if bias else None, 1, left, self.dilation[0])
+        return out[..., : x.shape[-1]] if left else out
 
 
 class CausalConvTranspose1d(nn.ConvTranspose1d):
@@ -98,7 +84,7 @@ class AMPBlock(nn.Module):
             # convs1's bias is added by the activation after it (the same fp32 add), so
             # the fused kernel can fold it into its loads instead of a pass of its own.
             h = c1(self.activations[2 * n](x), bias=False)
-            x = c2(self.activations[2 * n + 1](h, bias=c1.bias), residual=x)
+            x = x + c2(self.activations[2 * n + 1](h, bias=c1.bias))
         return x
 
 
@@ -279,14 +265,6 @@ class AuKVAE(nn.Module):
         for module in self.modules():
             if isinstance(module, Activation1d):
                 module.fused = bool(enabled)
-        return self
-
-    def use_fused_conv(self, enabled: bool = True, max_channels: int = 96) -> "AuKVAE":
-        """Run the AMP blocks' convolutions of at most `max_channels` channels with the Triton
-        kernel on CUDA (fused_conv.py), residual adds included; cuDNN runs the wider ones."""
-        for block in self.resblocks:
-            for conv in (*block.convs1, *block.convs2):
-                conv.fused = bool(enabled) and max(conv.in_channels, conv.out_channels) <= max_channels
         return self
 
     # ---- geometry ------------------------------------------------------------------------

@@ -53,16 +53,13 @@ def _bias_in_conv_block(self, x):
 
 
 class Variant:
-    """A decode configuration: fused activation on/off, the conv kernel up to some width
-    (0: cuDNN everywhere), padded-copy convs, cudnn.benchmark."""
+    """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, conv_channels=0):
+    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
-        self.conv_channels = conv_channels
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
-        vae.use_fused_conv(self.conv_channels > 0, self.conv_channels)
 
     def __enter__(self):
         self.saved = (CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark)
@@ -81,9 +78,6 @@ VARIANTS = [
     Variant("fused activation, padded-copy convs", fused=True, padded_convs=True),
     Variant("fused activation", fused=True),
     Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
-    Variant("fused activation + conv kernel up to 96 channels", fused=True, conv_channels=96),
-    Variant("fused activation + conv kernel up to 192 channels", fused=True, conv_channels=192),
-    Variant("fused activation + conv kernel at every width", fused=True, conv_channels=768),
 ]
 
 
@@ -308,7 +302,6 @@ def main() -> None:
                 groups = collections.Counter()
                 for name, us in by_kernel.items():
                     group = ("fused activation" if "fused_activation" in name else
-                             "conv kernel (Triton)" if "causal_conv1d" in name else
                              "inductor pointwise/reduction" if name.startswith("triton_") else
                              "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
                              "other")
