@@ -1,18 +1,30 @@
 """End-to-end decode latency through a real Triton server, against the same decode in-process.
 
 One run, one GPU: first the decode in this process (the wrapper the model uses,
-with the served defaults: the fused activation kernel, buckets 128/256/512, a
+with the served defaults: the fused activation kernel, buckets 32/128/256/512, a
 first window of the smallest bucket; warmed up the same way), then a real
 `tritonserver` serving `model_repository/` on the same synthetic checkpoint,
 driven over gRPC streaming by `concurrency` clients, each on its own persistent
-stream. Time to first audio is the arrival
-of the first tile; total is the final response. The serving overhead is the
+stream. Time to first audio is the arrival of the first tile; total is the
+arrival of the final response (the last tile carries the final flag, so for a
+one-tile clip both are the same response). The serving overhead is the
 server's median total over the in-process median total at concurrency 1.
 Weights are synthetic (seeded, not real audio); speed depends on geometry only.
+
+Triton's own statistics for the model, read before and after each cell, split
+that overhead at concurrency 1: the server side is Triton's mean request
+duration (from the request's arrival in the server to the end of `execute`,
+which sends every tile) minus the in-process decode; the rest, the client's
+mean total minus Triton's request duration, is gRPC transfer and the Python
+client. Statistics a server does not report print as n/a.
+
 With `--perf-analyzer PATH`, `client/run_perf_analyzer.py` then runs a short
 pass of perf_analyzer against the same server (both decode models).
+`--device cpu` runs the same pass on the CPU (eager decode, the CPU model
+config): slow, a check that the script works, not a measurement to quote.
 
     python benchmarks/bench_serving.py --preset auk --seconds 2 10 60 --concurrency 1 4 16
+    python benchmarks/bench_serving.py --device cpu --preset small --seconds 2 --concurrency 1 --reps 2
 """
 
 import argparse
@@ -39,23 +51,27 @@ from auk_triton.vae import AuKVAE
 FRAMES_PER_SECOND = 50
 MODEL = "auk_vae_decode"
 OFFLINE_MODEL = "auk_vae_decode_offline"
+# Triton's cumulative per-model statistics (inference_stats), each a count and nanoseconds.
+STAT_FIELDS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
 
 
 def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
-def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None) -> dict:
+def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str) -> dict:
     """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does."""
-    vae = AuKVAE.from_pretrained(checkpoint, device="cuda").use_fused_activation(True)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda)  # as served
     graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames or None)
-    graph.warmup("cuda")
+    graph.warmup(device)
     results = {}
     for seconds in seconds_list:
-        latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device="cuda")
+        latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device=device)
         firsts, totals = [], []
         for rep in range(reps + 2):
-            torch.cuda.synchronize()
+            sync()
             began = time.perf_counter()
             first = None
             for _, wave in graph.decode_tiles(latents):
@@ -67,16 +83,17 @@ def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int
                 firsts.append(first * 1e3)
                 totals.append(total * 1e3)
         results[seconds] = (statistics.median(firsts), statistics.median(totals))
-    one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device="cuda")
+    one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device=device)
     tile_times = []
-    for _ in range(20):
-        torch.cuda.synchronize()
+    for _ in range(20 if cuda else 4):
+        sync()
         began = time.perf_counter()
         graph(one_tile).cpu()
         tile_times.append((time.perf_counter() - began) * 1e3)
-    results["one_tile_ms"] = statistics.median(tile_times[5:])
+    results["one_tile_ms"] = statistics.median(tile_times[len(tile_times) // 4:])
     del graph, vae
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return results
 
 
@@ -86,14 +103,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480):
-    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the GPU config.
+def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
+                 device: str = "gpu"):
+    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the `device` config.
 
     Returns the process and the gRPC and HTTP addresses."""
     import tritonclient.grpc as grpcclient
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE="gpu",
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
                AUK_MODELS=",".join(models))
     argv, env = server_command(ports=ports, env=env, extra_args=["--exit-timeout-secs=5"])
     log = open(log_path, "w")
@@ -132,19 +150,83 @@ def client_loop(url: str, latents: np.ndarray, reps: int, out: list, barrier: th
             arrived, result, error = responses.get(timeout=300)
             if error is not None:
                 raise RuntimeError(str(error))
+            # The last tile carries the final flag: one response may be both the first and the last.
             if first is None and result.as_numpy("WAVEFORM") is not None:
                 first = arrived - sent
             params = result.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                if first is None:
+                    raise RuntimeError("the stream ended without a tile")
                 out.append((first * 1e3, (arrived - sent) * 1e3))
                 break
     client.stop_stream()
     client.close()
 
 
+def server_stats(url: str, model: str = MODEL) -> dict:
+    """Triton's cumulative (count, ns) per statistic in STAT_FIELDS for `model`; absent ones left out.
+
+    The JSON form writes 64-bit integers as strings and leaves out zeros, so an
+    empty entry is a zero count.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        reply = client.get_inference_statistics(model_name=model, as_json=True)
+    except Exception as err:  # a server without the statistics extension
+        print(f"no inference statistics for {model}: {err}", flush=True)
+        return {}
+    finally:
+        client.close()
+    totals: dict = {}
+    for entry in reply.get("model_stats", []):  # one per loaded version
+        stats = entry.get("inference_stats", {})
+        for field in STAT_FIELDS:
+            if isinstance(stats.get(field), dict):
+                count, ns = totals.get(field, (0, 0))
+                totals[field] = (count + int(stats[field].get("count", 0)), ns + int(stats[field].get("ns", 0)))
+    return totals
+
+
+def stats_after(url: str, since: dict, requests: int, timeout_s: float = 5.0) -> dict:
+    """Triton's statistics once it counts `requests` more successes than `since` (or after `timeout_s`).
+
+    Triton counts a decoupled request when `execute` returns, which can be just
+    after its final response has reached the client.
+    """
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        stats = server_stats(url)
+        counted = stats.get("success", (0, 0))[0] - since.get("success", (0, 0))[0]
+        if "success" not in stats or counted >= requests or time.perf_counter() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
+def server_means(before: dict, after: dict) -> dict:
+    """Mean ms per counted request of each statistic between two snapshots; None where unknown."""
+    means: dict = {}
+    for field in STAT_FIELDS:
+        if field in before and field in after:
+            count = after[field][0] - before[field][0]
+            means[field] = (after[field][1] - before[field][1]) / count / 1e6 if count > 0 else None
+        else:
+            means[field] = None
+    success = [snapshot["success"][0] for snapshot in (before, after) if "success" in snapshot]
+    means["requests"] = success[1] - success[0] if len(success) == 2 else None
+    return means
+
+
+def ms(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def load(url: str, seconds: float, concurrency: int, reps: int) -> dict:
     latents = np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
+    start = server_stats(url)
     client_loop(url, latents, 2, [], threading.Barrier(1))  # warm the connection and the plain graphs
+    before = stats_after(url, start, 2)  # the cell's statistics leave the warm-up out
     samples: list = []
     barrier = threading.Barrier(concurrency + 1)
     threads = [
@@ -157,17 +239,46 @@ def load(url: str, seconds: float, concurrency: int, reps: int) -> dict:
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - began
+    server = server_means(before, stats_after(url, before, len(samples)))
     firsts, totals = [s[0] for s in samples], [s[1] for s in samples]
     return {
         "first_p50": statistics.median(firsts), "first_p99": percentile(firsts, 99),
         "total_p50": statistics.median(totals), "total_p99": percentile(totals, 99),
+        "total_mean": statistics.fmean(totals),
         "audio_s_per_s": len(samples) * seconds / wall, "requests": len(samples),
+        "server": server,
     }
+
+
+def print_breakdown(rows: dict, local: dict, seconds_list) -> None:
+    """Triton's per-request means at concurrency 1, and the overhead split into server and the rest.
+
+    overhead = client mean total - in-process median total
+             = (Triton request duration - in-process) + (client total - Triton request duration)
+    """
+    print("\nServer side, concurrency 1 (Triton's statistics, mean ms per request):")
+    print("| audio | requests | queue | compute input | compute infer | compute output | request (success) | "
+          "in-process total | client total (mean) | overhead | server side | gRPC + client |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for seconds in seconds_list:
+        row = rows.get((seconds, 1))
+        if row is None:
+            continue
+        server, decode, client = row["server"], local[seconds][1], row["total_mean"]
+        request = server["success"]
+        server_side = None if request is None else request - decode
+        rest = None if request is None else client - request
+        requests = "n/a" if server["requests"] is None else f"{server['requests']} (client {row['requests']})"
+        cells = [ms(server[field]) for field in ("queue", "compute_input", "compute_infer", "compute_output")]
+        print(f"| {seconds:g} s | {requests} | " + " | ".join(cells) + f" | {ms(request)} | {ms(decode)} | "
+              f"{ms(client)} | {ms(client - decode)} | {ms(server_side)} | {ms(rest)} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="auk")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: eager decode in process and the CPU model config (a check, not a measurement)")
     parser.add_argument("--seconds", type=float, nargs="+", default=[2, 10, 60])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=8, help="requests per client per cell")
@@ -180,17 +291,19 @@ def main() -> None:
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-serving-"))
     checkpoint = write_synthetic_checkpoint(cache / "bench_checkpoint", args.preset)
-    print(f"# AuK serving, {args.preset} (synthetic), {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"# AuK serving, {args.preset} (synthetic), {where}, torch {torch.__version__}, "
           f"{datetime.date.today()}", flush=True)
 
-    local = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames)
+    local = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device)
     print(f"in-process: one {512}-frame tile {local['one_tile_ms']:.2f} ms", flush=True)
     for seconds in args.seconds:
         print(f"in-process {seconds:g} s: first tile {local[seconds][0]:.2f} ms, total {local[seconds][1]:.2f} ms",
               flush=True)
 
     models = (MODEL, OFFLINE_MODEL) if args.perf_analyzer else (MODEL,)
-    process, url, http_url = start_server(checkpoint, cache, Path(args.log), models)
+    process, url, http_url = start_server(checkpoint, cache, Path(args.log), models,
+                                          device="gpu" if args.device == "cuda" else "cpu")
     try:
         print("| audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s | in-process total ms |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
@@ -202,6 +315,7 @@ def main() -> None:
                 print(f"| {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
                       f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "
                       f"{local[seconds][1]:.1f} |", flush=True)
+        print_breakdown(rows, local, args.seconds)
         if args.perf_analyzer:
             script = Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"
             subprocess.run(

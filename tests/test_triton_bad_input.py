@@ -45,7 +45,7 @@ def test_a_bad_stream_request_gets_an_error_naming_the_problem_and_the_next_requ
 
     stream.send(GOOD, request_id="good")
     good = stream.collect()["good"]
-    assert good.error is None and good.events == ["tile", "final"]
+    assert good.error is None and good.events == ["tile+final"]
     assert good.waveform().shape == (8 * 480,)
 
 

@@ -1,8 +1,8 @@
 """Triton Python-backend model: AuK latents in, waveform out, one response per tile.
 
 Both `model_repository/auk_vae_decode` (decoupled: streams one response per
-tile, then the final flag) and `model_repository/auk_vae_decode_offline` (one
-response with the whole waveform) import this class; the loaded config's
+tile, the last one with the final flag) and `model_repository/auk_vae_decode_offline`
+(one response with the whole waveform) import this class; the loaded config's
 transaction policy picks the mode. The two modes run the same tiled decode, so
 the concatenated stream equals the offline waveform.
 """
@@ -233,35 +233,50 @@ class TritonPythonModel:
             self._report(decoded)
 
     def _stream(self, request) -> None:
+        """Send one response per tile, the last one with the final flag.
+
+        A separate empty final response would cost every request one more round
+        trip to the server and one more gRPC message, on the critical path of a
+        one-tile clip. Only a stream that stops before its last tile (cancelled)
+        ends with an empty final response; an error response carries the flag itself.
+        """
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         decoded = []
+        finished = False  # the final flag has been sent
         try:
             latents = self._latents(request)
             total = latents.shape[1] * self.vae.hop_size
             for start, wave in self._tiles(latents, decoded):
+                last = start + wave.numel() >= total
                 sender.send(
                     pb_utils.InferenceResponse(
                         output_tensors=[
                             output_tensor("WAVEFORM", wave),
                             output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
                         ]
-                    )
+                    ),
+                    flags=final if last else 0,
                 )
+                if last:
+                    finished = True
+                    break
                 # Asking about cancellation is a round trip to the server: ask only
                 # where another tile would follow, so a one-tile clip never waits on it.
-                if start + wave.numel() < total and sender.is_cancelled():
+                if sender.is_cancelled():
                     log("info", f"{self.name}: request cancelled after the tile at sample {start}")
                     break
-            sender.send(flags=final)
+            if not finished:  # stopped before the last tile
+                sender.send(flags=final)
         except RequestError as err:
             sender.send(error_response(str(err)), flags=final)
         except Exception as err:
             log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
-            try:
-                sender.send(error_response(f"decode failed: {type(err).__name__}: {err}"), flags=final)
-            except Exception as send_err:  # the final flag was already sent, or the client is gone
-                log("error", f"{self.name}: could not send the error response: {send_err}")
+            if not finished:
+                try:
+                    sender.send(error_response(f"decode failed: {type(err).__name__}: {err}"), flags=final)
+                except Exception as send_err:  # the client is gone
+                    log("error", f"{self.name}: could not send the error response: {send_err}")
         finally:
             self._report(decoded)
 

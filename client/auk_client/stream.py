@@ -228,7 +228,11 @@ def stream_decode(
 
 def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Iterator[Tile]:
     """Send one request to a decoupled model (or an ensemble ending in one) over a gRPC
-    stream and yield a `Tile` per WAVEFORM response, until the final flag."""
+    stream and yield a `Tile` per WAVEFORM response, until the final flag.
+
+    The final flag usually comes with the last tile, which is yielded like the
+    others; an empty final response (after a cancellation) yields nothing.
+    """
     import tritonclient.grpc as grpcclient
 
     url = _strip_scheme(url)
@@ -268,7 +272,8 @@ def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Itera
                 raise _describe_grpc_error(error, url, model, timeout)
             arrived = time.perf_counter() - sent
             response = result.get_response()
-            final = (
+            # Marked before the last tile is yielded: a caller that stops there cancels nothing.
+            finished = (
                 "triton_final_response" in response.parameters
                 and response.parameters["triton_final_response"].bool_param
             )
@@ -278,8 +283,7 @@ def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Itera
                 if start is None or start.size != 1:
                     raise AuKClientError(f"{model} sent a {WAVEFORM} without a one-element {START_SAMPLE}")
                 yield Tile(int(start.reshape(-1)[0]), np.asarray(wave, np.float32).reshape(-1), arrived)
-            if final:
-                finished = True
+            if finished:
                 return
     except AuKClientError:
         raise
