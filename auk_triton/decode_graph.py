@@ -37,7 +37,7 @@ from .vae import AuKVAE
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPILE_SHAPES: tuple[int, ...] = (128, 256, 512)
+DEFAULT_COMPILE_SHAPES: tuple[int, ...] = (32, 128, 256, 512)
 
 
 def plan_tiles(

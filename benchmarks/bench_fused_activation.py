@@ -35,7 +35,9 @@ Run (H200, ~3-4 minutes: two Inductor compiles of the 512-frame bucket):
 
 Options: --buckets 128 512 (compile the 128 bucket too, ~+80 s), --max-autotune
 (torch.compile(mode="max-autotune") of the eager decode at 512 frames, minutes),
---skip-decode (per-shape part only).
+--skip-decode (per-shape part only), --skip-per-shape, --first-windows 0 64 128
+(time to the first tile of a 60 s clip per first window, with the fused compiled
+buckets; each window must be one of --buckets).
 """
 
 import argparse
@@ -207,6 +209,9 @@ def decode_part(args) -> None:
             row(name, graph, build)
             graphs[fused] = graph
 
+        if args.first_windows:
+            first_windows(graphs[True], vae, args)
+
         if args.max_autotune:
             vae.use_fused_activation(False)
             began = time.perf_counter()
@@ -222,13 +227,46 @@ def decode_part(args) -> None:
     )
 
 
+def first_windows(graph: AuKVAEDecodeGraph, vae: AuKVAE, args) -> None:
+    """Time to the first tile of a long clip, in process, per first window (0: none), with
+    each tile copied to the host as the served model does; the same compiled buckets."""
+    frames = round(args.long_seconds * vae.sample_rate / vae.hop_size)
+    clip = torch.randn(1, frames, vae.latent_dim, device="cuda")
+    say(f"\n## First tile of a {args.long_seconds:g} s clip ({frames} frames), fused activation, "
+        f"compiled buckets {list(graph.compile_shapes)} (ms, medians of {args.iters})\n")
+    say("| first window | first tile ms | total ms | tiles |")
+    say("| --- | --- | --- | --- |")
+    saved = graph.first_tile_frames
+    for window in args.first_windows:
+        graph.first_tile_frames = window or None
+        firsts, totals, tiles = [], [], 0
+        for _ in range(args.iters + 2):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            first, tiles = None, 0
+            for _, wave in graph.decode_tiles(clip):
+                host = torch.empty(wave.shape[1], pin_memory=True)
+                host.copy_(wave[0])  # synchronizes: the tile is on the host
+                first = first if first is not None else time.perf_counter() - began
+                tiles += 1
+            firsts.append(first * 1e3)
+            totals.append((time.perf_counter() - began) * 1e3)
+        firsts, totals = sorted(firsts[2:]), sorted(totals[2:])
+        say(f"| {window or 'none (full tiles)'} | {firsts[len(firsts) // 2]:.2f} | {totals[len(totals) // 2]:.2f} | {tiles} |")
+    graph.first_tile_frames = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--buckets", type=int, nargs="+", default=[512])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--max-autotune", action="store_true")
+    parser.add_argument("--first-windows", type=int, nargs="*", default=[],
+                        help="first windows (frames; 0: none) to time on a long clip; each must be a bucket")
+    parser.add_argument("--long-seconds", type=float, default=60.0)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-per-shape", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -239,7 +277,8 @@ def main() -> None:
     began = time.perf_counter()
     bw = copy_bandwidth()
     say(f"\nDevice-to-device copy: {bw / 1e9:.0f} GB/s (read + write).")
-    per_shape(bw)
+    if not args.skip_per_shape:
+        per_shape(bw)
     say(f"\n(per-shape part: {time.perf_counter() - began:.0f} s)")
     if not args.skip_decode:
         decode_part(args)

@@ -42,6 +42,7 @@ class TritonServer:
     log_path: Path
     process: subprocess.Popen
     tile_frames: int = TEST_TILE_FRAMES  # what copy_model_repository writes into the configs
+    first_tile_frames: int | None = None  # the served first window (served_first_window)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -104,6 +105,19 @@ def copy_model_repository(dest: Path, tile_frames: int | None = TEST_TILE_FRAMES
     return dest
 
 
+def served_first_window(model_repository: Path, model: str = "auk_vae_decode") -> int | None:
+    """The first decode window `model` serves, by the model's own rule on its config's parameters."""
+    from auk_triton.serving.settings import DecodeSettings
+
+    config_path = model_repository / model / "config.pbtxt"
+    if not config_path.is_file():
+        return None
+    text = config_path.read_text()
+    params = re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text)
+    config = {"parameters": {key: {"string_value": value} for key, value in params}}
+    return DecodeSettings.from_model_config(config, model_repository / model, environ={}).first_window_frames()
+
+
 def start_triton(
     workdir: Path,
     model_repository: Path,
@@ -144,6 +158,7 @@ def start_triton(
         model_repository=Path(model_repository),
         log_path=log_path,
         process=process,
+        first_tile_frames=served_first_window(Path(model_repository)),
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.is_ready():
@@ -200,12 +215,14 @@ class StreamOutcome:
     """What one streamed request got back, in arrival order."""
 
     tiles: list  # (START_SAMPLE, WAVEFORM) per tile response
-    events: list  # "tile", "final" or "error", in order
+    # In order: "tile", "tile+final" (a tile carrying the final flag), "final" (an
+    # empty final response) or "error".
+    events: list
     error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return bool(self.events) and self.events[-1] in ("final", "error")
+        return bool(self.events) and self.events[-1] in ("tile+final", "final", "error")
 
     def waveform(self):
         import numpy as np
@@ -248,12 +265,13 @@ class DecodeStream:
             return open_ids[0], outcome
         response = result.get_response()
         outcome = self._pending[response.id]
-        if response.parameters["triton_final_response"].bool_param:
-            assert not response.outputs, "the final response carries no tensors"
-            outcome.events.append("final")
-        else:
-            outcome.events.append("tile")
+        final = response.parameters["triton_final_response"].bool_param
+        if response.outputs:
+            outcome.events.append("tile+final" if final else "tile")
             outcome.tiles.append((int(result.as_numpy("START_SAMPLE")[0]), result.as_numpy("WAVEFORM")))
+        else:
+            assert final, "only the final response may come without tensors"
+            outcome.events.append("final")
         return response.id, outcome
 
     def collect(self, timeout: float = 120.0) -> dict[str, StreamOutcome]:

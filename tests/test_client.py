@@ -88,14 +88,17 @@ def read_float32_wav(path: Path) -> np.ndarray:
     return samples
 
 
-def library_decode(checkpoint_dir: Path, latents: np.ndarray, tile_frames) -> np.ndarray:
+def library_decode(checkpoint_dir: Path, latents: np.ndarray, server) -> np.ndarray:
+    """The library's tiled decode with the server's tile size and first window, stitched."""
     import torch
 
     from auk_triton.decode_graph import AuKVAEDecodeGraph
     from auk_triton.vae import AuKVAE
 
     vae = AuKVAE.from_pretrained(checkpoint_dir)
-    graph = AuKVAEDecodeGraph(vae, tile_frames=tile_frames)
+    graph = AuKVAEDecodeGraph(
+        vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames
+    )
     out = np.zeros(latents.shape[0] * HOP, dtype=np.float32)
     with torch.no_grad():
         for start, wave_ in graph.decode_tiles(torch.from_numpy(latents)[None]):
@@ -118,7 +121,7 @@ def clip(tmp_path_factory, triton_server):
     latents = np.random.default_rng(11).standard_normal((CLIP_FRAMES, 64)).astype(np.float32)
     path = folder / "latents.npy"
     np.save(path, latents[None])
-    reference = library_decode(triton_server.checkpoint_dir, latents, getattr(triton_server, "tile_frames", None))
+    reference = library_decode(triton_server.checkpoint_dir, latents, triton_server)
     return folder, path, latents, reference
 
 
@@ -199,7 +202,7 @@ def test_seeded_random_latents_give_the_same_audio_every_run_and_say_they_are_a_
     np.testing.assert_array_equal(pcm_a, read_pcm16_wav(b))
     assert not np.array_equal(pcm_a, read_pcm16_wav(c))
     latents = np.random.default_rng(3).standard_normal((25, 64)).astype(np.float32)
-    reference = library_decode(triton_server.checkpoint_dir, latents, getattr(triton_server, "tile_frames", None))
+    reference = library_decode(triton_server.checkpoint_dir, latents, triton_server)
     assert_pcm16_is_documented_conversion(pcm_a, reference)
 
 

@@ -26,9 +26,9 @@ def shipped_config(model: str) -> dict:
 def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     settings = DecodeSettings.from_model_config(shipped_config(model), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
     assert settings.checkpoint == ""
-    assert settings.compile_shapes == (128, 256, 512)
+    assert settings.compile_shapes == (32, 128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
-    assert settings.first_window_frames() == 128, "a long clip starts with the smallest bucket"
+    assert settings.first_window_frames() == 32, "a long clip starts with the smallest bucket"
     assert settings.fused_activation is True
     assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
     assert settings.enable_cuda_graphs is True
@@ -74,7 +74,7 @@ def test_a_bad_config_parameter_fails_the_load_naming_it(name, value, words, tmp
 
 @pytest.mark.parametrize(
     "shapes, first_tile, window",
-    [("128,256,512", "", 128), ("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("", "", None)],
+    [("32,128,256,512", "", 32), ("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("", "", None)],
 )
 def test_the_first_window_is_the_smallest_bucket_unless_configured(shapes, first_tile, window, tmp_path):
     params = {"compile_shapes": {"string_value": shapes}, "first_tile_frames": {"string_value": first_tile}}

@@ -23,9 +23,10 @@ def make_latents(frames: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
 
 
-def library_tiles(vae, latents: np.ndarray, tile_frames: int) -> list[tuple[int, np.ndarray]]:
-    """The library's tiled decode with the server's tile size: (start sample, waveform) per tile."""
-    graph = AuKVAEDecodeGraph(vae, tile_frames=tile_frames)
+def library_tiles(vae, latents: np.ndarray, server) -> list[tuple[int, np.ndarray]]:
+    """The library's tiled decode with the server's tile size and first window: (start sample,
+    waveform) per tile."""
+    graph = AuKVAEDecodeGraph(vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames)
     with torch.no_grad():
         return [
             (start * vae.hop_size, wave[0].clone().numpy())
@@ -44,7 +45,7 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
     triton, open_stream, reference_vae
 ):
     latents = make_latents(300, seed=1)
-    expected = library_tiles(reference_vae, latents, triton.tile_frames)
+    expected = library_tiles(reference_vae, latents, triton)
     assert len(expected) >= 4, "the clip should span several tiles"
 
     stream = open_stream()
@@ -52,7 +53,7 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
     outcome = stream.collect()["long"]
 
     assert outcome.error is None
-    assert outcome.events == ["tile"] * len(expected) + ["final"], "one response per tile, the final flag last"
+    assert outcome.events == ["tile"] * (len(expected) - 1) + ["tile+final"], "the final flag on the last tile"
     assert_tiles_match(outcome.tiles, expected)
     # Each tile starts where the previous one ended.
     ends = [start + wave.size for start, wave in outcome.tiles]
@@ -63,6 +64,19 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
     with torch.no_grad():
         whole = reference_vae.decode(torch.from_numpy(latents)[None])[0].numpy()
     np.testing.assert_allclose(waveform, whole, rtol=0, atol=1e-5)
+
+
+def test_a_one_tile_clip_arrives_as_a_single_response_that_carries_the_final_flag(
+    triton, open_stream, reference_vae
+):
+    latents = make_latents(20, seed=2)
+    stream = open_stream()
+    stream.send(latents, request_id="short")
+    outcome = stream.collect()["short"]
+
+    assert outcome.error is None
+    assert outcome.events == ["tile+final"], "no empty final response after the only tile"
+    assert_tiles_match(outcome.tiles, library_tiles(reference_vae, latents, triton))
 
 
 def test_several_concurrent_streams_each_get_their_own_tiles_in_order(triton, open_stream, reference_vae):
@@ -93,9 +107,9 @@ def test_several_concurrent_streams_each_get_their_own_tiles_in_order(triton, op
     for index, requests in jobs.items():
         for request_id, latents in requests.items():
             outcome = outcomes[request_id]
-            expected = library_tiles(reference_vae, latents, triton.tile_frames)
+            expected = library_tiles(reference_vae, latents, triton)
             assert outcome.error is None, outcome.error
-            assert outcome.events == ["tile"] * len(expected) + ["final"], request_id
+            assert outcome.events == ["tile"] * (len(expected) - 1) + ["tile+final"], request_id
             assert_tiles_match(outcome.tiles, expected)
 
 
@@ -106,7 +120,9 @@ def test_a_cancelled_stream_ends_early_and_the_server_keeps_serving(triton, open
     notices_before = triton.log().count(notice)
     latents = make_latents(4000, seed=20)  # about 60 tiles of 128 frames: many seconds on the CPU
     left, right = reference_vae.decode_context_frames()
-    total_tiles = len(plan_tiles(latents.shape[0], triton.tile_frames, left, right, DEFAULT_COMPILE_SHAPES))
+    total_tiles = len(
+        plan_tiles(latents.shape[0], triton.tile_frames, left, right, DEFAULT_COMPILE_SHAPES, triton.first_tile_frames)
+    )
 
     stream = open_stream()
     stream.send(latents, request_id="cancel-me")
@@ -126,7 +142,7 @@ def test_a_cancelled_stream_ends_early_and_the_server_keeps_serving(triton, open
     fresh = open_stream()
     fresh.send(make_latents(20, seed=21), request_id="after")
     after = fresh.collect()["after"]
-    assert after.error is None and after.events == ["tile", "final"]
+    assert after.error is None and after.events == ["tile+final"]
 
 
 def test_the_offline_model_over_http_returns_the_whole_waveform_the_stream_gives(http_client, open_stream):
@@ -171,7 +187,7 @@ def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_stre
         for event in events
         if "WAVEFORM" in event
     ]
-    assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton.tile_frames))
+    assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton))
 
 
 def test_metrics_count_tiles_audio_seconds_and_decode_time_per_tier(triton, open_stream):
