@@ -96,9 +96,7 @@ def library_decode(checkpoint_dir: Path, latents: np.ndarray, server) -> np.ndar
     from auk_triton.vae import AuKVAE
 
     vae = AuKVAE.from_pretrained(checkpoint_dir)
-    graph = AuKVAEDecodeGraph(
-        vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames
-    )
+    graph = AuKVAEDecodeGraph(vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames)
     out = np.zeros(latents.shape[0] * HOP, dtype=np.float32)
     with torch.no_grad():
         for start, wave_ in graph.decode_tiles(torch.from_numpy(latents)[None]):

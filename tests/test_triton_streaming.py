@@ -55,6 +55,9 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
     assert outcome.error is None
     assert outcome.events == ["tile"] * (len(expected) - 1) + ["tile+final"], "the final flag on the last tile"
     assert_tiles_match(outcome.tiles, expected)
+    # The first tile is the short first window (the smallest bucket, less the right context).
+    _, right = reference_vae.decode_context_frames()
+    assert outcome.tiles[0][1].size == (triton.first_tile_frames - right) * reference_vae.hop_size
     # Each tile starts where the previous one ended.
     ends = [start + wave.size for start, wave in outcome.tiles]
     assert [start for start, _ in outcome.tiles] == [0] + ends[:-1]
