@@ -72,6 +72,10 @@ FILTER_TAPS = 12
 HALO_LANES = 8
 # Launch configuration; the benchmark sweeps it. Read at call (or trace) time.
 LAUNCH = {"block": 1024, "num_warps": 4}
+# The channels-last kernel: lanes per program and output samples per lane. Longer
+# chunks recompute fewer pairs but unroll into more code than the instruction cache
+# holds: on an H200, chunks of 64 ran at half the speed of chunks of 16.
+CHANNELS_LAST_LAUNCH = {"lanes": 128, "num_warps": 4, "chunk": 16}
 
 
 def _interpreting() -> bool:
@@ -234,6 +238,157 @@ def _fused_activation_kernel(
     tl.store(y_row + t, acc, mask=(p < BT) & (t < L))
 
 
+@triton.jit
+def _fused_activation_channels_last_kernel(
+    x_ptr,
+    y_ptr,
+    bias_ptr,
+    alpha_ptr,
+    beta_ptr,
+    up_ptr,
+    down_ptr,
+    L,
+    C,
+    lanes_per_row,
+    stride_xb,
+    stride_xc,
+    stride_xl,
+    stride_yb,
+    stride_yc,
+    stride_yl,
+    LANES: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOGSCALE: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One lane per (channel, chunk of CHUNK output samples); LANES lanes per program.
+
+    Lane i of a row owns channel i % C and outputs [t0, t0 + CHUNK) with
+    t0 = (i // C) * CHUNK, so neighbouring lanes read neighbouring channels: on a
+    channels-last signal every load and store of a warp is one contiguous run.
+    Each lane slides along time: per step it loads one new input sample, computes
+    one pair (A[q], B[q]) = (E[q], O[q - 1]) and emits y[q - D] from the last six
+    pairs (D = 0 causal, 3 centred). The window and the pair history are
+    registers renamed by the unrolled loop, so nothing is shifted through shared
+    memory; the price is recomputing five pairs of the previous chunk per chunk.
+    """
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    lane = pid * LANES + tl.arange(0, LANES)
+    live = lane < lanes_per_row
+    c = lane % C
+    t0 = (lane // C) * CHUNK
+    x_row = x_ptr + b.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc
+    y_row = y_ptr + b.to(tl.int64) * stride_yb + c.to(tl.int64) * stride_yc
+    alpha, inv_beta = _snake_params(alpha_ptr, beta_ptr, c, LOGSCALE, PRECISE)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c)
+    else:
+        bias = 0.0
+    last = L - 1
+
+    f0 = tl.load(up_ptr + 0) * 2.0
+    f1 = tl.load(up_ptr + 1) * 2.0
+    f2 = tl.load(up_ptr + 2) * 2.0
+    f3 = tl.load(up_ptr + 3) * 2.0
+    f4 = tl.load(up_ptr + 4) * 2.0
+    f5 = tl.load(up_ptr + 5) * 2.0
+    f6 = tl.load(up_ptr + 6) * 2.0
+    f7 = tl.load(up_ptr + 7) * 2.0
+    f8 = tl.load(up_ptr + 8) * 2.0
+    f9 = tl.load(up_ptr + 9) * 2.0
+    f10 = tl.load(up_ptr + 10) * 2.0
+    f11 = tl.load(up_ptr + 11) * 2.0
+    g0 = tl.load(down_ptr + 0)
+    g1 = tl.load(down_ptr + 1)
+    g2 = tl.load(down_ptr + 2)
+    g3 = tl.load(down_ptr + 3)
+    g4 = tl.load(down_ptr + 4)
+    g5 = tl.load(down_ptr + 5)
+    g6 = tl.load(down_ptr + 6)
+    g7 = tl.load(down_ptr + 7)
+    g8 = tl.load(down_ptr + 8)
+    g9 = tl.load(down_ptr + 9)
+    g10 = tl.load(down_ptr + 10)
+    g11 = tl.load(down_ptr + 11)
+
+    # The activated signal's replicate padding: s[negative] = E[0], and (centred) s[past 2L-1] = O[L-1].
+    x_first = tl.load(x_row, mask=live, other=0.0) + bias
+    x_1 = tl.load(x_row + tl.minimum(1, last) * stride_xl, mask=live, other=0.0) + bias
+    x_2 = tl.load(x_row + tl.minimum(2, last) * stride_xl, mask=live, other=0.0) + bias
+    e_first = _snake(
+        f1 * x_2 + f3 * x_1 + f5 * x_first + f7 * x_first + f9 * x_first + f11 * x_first,
+        alpha, inv_beta, PRECISE,
+    )
+    if not CAUSAL:
+        x_last = tl.load(x_row + last * stride_xl, mask=live, other=0.0) + bias
+        x_l1 = tl.load(x_row + tl.maximum(last - 1, 0) * stride_xl, mask=live, other=0.0) + bias
+        x_l2 = tl.load(x_row + tl.maximum(last - 2, 0) * stride_xl, mask=live, other=0.0) + bias
+        o_last = _snake(
+            f0 * x_last + f2 * x_last + f4 * x_last + f6 * x_last + f8 * x_l1 + f10 * x_l2,
+            alpha, inv_beta, PRECISE,
+        )
+
+    # Step q computes the pair at q from x[q - 3 .. q + 2] and emits y[q - D].
+    if CAUSAL:
+        q0 = t0 - 5
+    else:
+        q0 = t0 - 2
+    xm3 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 3, 0), last) * stride_xl, mask=live, other=0.0) + bias
+    xm2 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 2, 0), last) * stride_xl, mask=live, other=0.0) + bias
+    xm1 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 1, 0), last) * stride_xl, mask=live, other=0.0) + bias
+    x0 = tl.load(x_row + tl.minimum(tl.maximum(q0, 0), last) * stride_xl, mask=live, other=0.0) + bias
+    xp1 = tl.load(x_row + tl.minimum(tl.maximum(q0 + 1, 0), last) * stride_xl, mask=live, other=0.0) + bias
+    # The history before the first step is never emitted; any value will do.
+    a0 = e_first
+    a1 = e_first
+    a2 = e_first
+    a3 = e_first
+    a4 = e_first
+    b0 = e_first
+    b1 = e_first
+    b2 = e_first
+    b3 = e_first
+    b4 = e_first
+    for step in tl.static_range(CHUNK + 5):
+        q = q0 + step
+        xp2 = tl.load(x_row + tl.minimum(tl.maximum(q + 2, 0), last) * stride_xl, mask=live, other=0.0) + bias
+        a5 = _snake(f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3, alpha, inv_beta, PRECISE)
+        b5 = _snake(f0 * xp2 + f2 * xp1 + f4 * x0 + f6 * xm1 + f8 * xm2 + f10 * xm3, alpha, inv_beta, PRECISE)
+        a5 = tl.where(q < 0, e_first, a5)
+        b5 = tl.where(q < 1, a5, b5)
+        if not CAUSAL:
+            a5 = tl.where(q > last, o_last, a5)
+            b5 = tl.where(q > last, o_last, b5)
+        if step >= 5:
+            t = t0 + (step - 5)
+            acc = g1 * a0 + g0 * b0
+            acc += g3 * a1 + g2 * b1
+            acc += g5 * a2 + g4 * b2
+            acc += g7 * a3 + g6 * b3
+            acc += g9 * a4 + g8 * b4
+            acc += g11 * a5 + g10 * b5
+            tl.store(y_row + t * stride_yl, acc, mask=live & (t < L))
+        # Slide: renamed registers once the loop is unrolled.
+        xm3 = xm2
+        xm2 = xm1
+        xm1 = x0
+        x0 = xp1
+        xp1 = xp2
+        a0 = a1
+        a1 = a2
+        a2 = a3
+        a3 = a4
+        a4 = a5
+        b0 = b1
+        b1 = b2
+        b2 = b3
+        b3 = b4
+        b4 = b5
+
+
 def _time_block(block: int, length: int) -> int:
     """`block` lanes, halved while a tile would be less than half used (short clips)."""
     while block > 32 and length <= (block // 2) - HALO_LANES:
@@ -241,45 +396,66 @@ def _time_block(block: int, length: int) -> int:
     return block
 
 
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Channels adjacent in memory: the layout the channels-last kernel reads in warp-wide runs."""
+    return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1
+
+
+def layout_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """The strides of the kernels' output for x: channels-last where x is, else contiguous [B, C, L]."""
+    batch, channels, length = x.shape
+    if is_channels_last(x):
+        return (length * channels, 1, channels)
+    return (channels * length, length, 1)
+
+
+def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
+    """A new float32 tensor of x's shape and `layout_strides(x)`."""
+    return torch.empty_strided(tuple(x.shape), layout_strides(x), device=x.device, dtype=torch.float32)
+
+
 def _launch(
     y: torch.Tensor, x: torch.Tensor, bias, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
     traceable: bool = True,
 ):
-    """Write act(x + bias) into y (a contiguous [B, C, L] float32 tensor); `bias` may be None.
+    """Write act(x + bias) into y (float32, x's shape, contiguous or channels-last); `bias` may be None.
 
-    `traceable` (inside the custom op) goes through `wrap_triton`, so that tracing
-    sees the kernel; a direct call (the `out=` path) launches the kernel as is.
+    A channels-last x runs the sliding kernel (lanes across channels), any other
+    layout the tiled kernel (lanes along time). `traceable` (inside the custom op)
+    goes through `wrap_triton`, so that tracing sees the kernel; a direct call (the
+    `out=` path) launches the kernel as is.
     """
     batch, channels, length = x.shape
     if batch == 0 or channels == 0 or length == 0:
         return
+    interpreting = _interpreting()
+    flags = dict(HAS_BIAS=bias is not None, CAUSAL=causal, LOGSCALE=logscale, PRECISE=not interpreting)
+    pointers = (x, y, alpha if bias is None else bias, alpha, beta, up_filter, down_filter)  # bias: never read if None
+    if is_channels_last(x):
+        kernel = _fused_activation_channels_last_kernel
+        chunk = int(CHANNELS_LAST_LAUNCH["chunk"])
+        lanes_per_row = triton.cdiv(length, chunk) * channels
+        lanes = int(CHANNELS_LAST_LAUNCH["lanes"])
+        grid = (triton.cdiv(lanes_per_row, lanes), batch)
+        # The interpreter's kernel object cannot be traced (and older torch refuses to wrap it).
+        if traceable and not interpreting:
+            kernel = torch.library.wrap_triton(kernel)
+        kernel[grid](
+            *pointers, length, channels, lanes_per_row,
+            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+            LANES=lanes, CHUNK=chunk, num_warps=int(CHANNELS_LAST_LAUNCH["num_warps"]), **flags,
+        )
+        return
+    if y.stride(2) != 1:
+        raise ValueError("the tiled kernel writes rows with unit stride: y must not be channels-last here")
+    kernel = _fused_activation_kernel
     block = _time_block(int(LAUNCH["block"]), length)
     grid = (triton.cdiv(length, block - HALO_LANES), channels, batch)
-    interpreting = _interpreting()
-    # The interpreter's kernel object cannot be traced (and older torch refuses to wrap it).
-    kernel = _fused_activation_kernel
     if traceable and not interpreting:
         kernel = torch.library.wrap_triton(kernel)
     kernel[grid](
-        x,
-        y,
-        alpha if bias is None else bias,  # any pointer when there is no bias: never read
-        alpha,
-        beta,
-        up_filter,
-        down_filter,
-        length,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        y.stride(0),
-        y.stride(1),
-        BLOCK=block,
-        HAS_BIAS=bias is not None,
-        CAUSAL=causal,
-        LOGSCALE=logscale,
-        PRECISE=not interpreting,
-        num_warps=int(LAUNCH["num_warps"]),
+        *pointers, length, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+        BLOCK=block, num_warps=int(LAUNCH["num_warps"]), **flags,
     )
 
 
@@ -295,8 +471,8 @@ def fused_activation_op(
     causal: bool,
 ) -> torch.Tensor:
     """Anti-aliased SnakeBeta of x + bias (x [B, C, L] float32, any strides; bias [C] or None)
-    -> a new contiguous [B, C, L]."""
-    y = torch.empty(tuple(x.shape), device=x.device, dtype=torch.float32)
+    -> a new [B, C, L], channels-last where x is, else contiguous."""
+    y = empty_like_layout(x)
     _launch(y, x, bias, alpha, beta, up_filter, down_filter, logscale, causal)
     return y
 
@@ -327,8 +503,8 @@ def fused_activation(
     """`act(x + bias)` for an `Activation1d` `act`, in one Triton kernel (the eager module where
     unsupported). `bias`, per channel, is optional.
 
-    `out`, a contiguous float32 tensor of x's shape, receives the result directly
-    (a plain launch, not the traceable op: for tests that poison the output first).
+    `out`, a float32 tensor of x's shape and `layout_strides(x)`, receives the result
+    directly (a plain launch, not the traceable op: for tests that poison the output first).
     """
     if not supports(x, act, bias):
         if bias is not None:
@@ -349,7 +525,13 @@ def fused_activation(
     )
     if out is None:
         return fused_activation_op(*args)
-    if out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {list(x.shape)} on {x.device}")
+    if (
+        out.shape != x.shape or out.dtype != torch.float32 or out.device != x.device
+        or any(n > 1 and a != b for n, a, b in zip(x.shape, out.stride(), layout_strides(x)))
+    ):
+        raise ValueError(
+            f"out must be a float32 tensor of shape {list(x.shape)} on {x.device}, "
+            f"{'channels-last' if is_channels_last(x) else 'contiguous'} like x"
+        )
     _launch(out, *args, traceable=False)
     return out

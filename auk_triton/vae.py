@@ -42,6 +42,16 @@ DEFAULT_INIT_KWARGS = {
 }
 
 
+def _is_channels_last(x: torch.Tensor) -> bool:
+    """A [N, C, L] signal with channels adjacent in memory (see AuKVAE.use_channels_last).
+
+    Such a signal goes through the 4-D convolution ops ([N, C, 1, L]): aten's 3-D
+    convolution first makes its input contiguous (channels-first), a full copy of
+    the signal per convolution, while the 4-D op hands it to cuDNN's NHWC kernels as it is.
+    """
+    return x.shape[1] > 1 and x.stride(1) == 1
+
+
 class CausalConv1d(nn.Conv1d):
     """Conv1d that zero-pads dilation * (kernel - 1) samples on the left only.
 
@@ -57,7 +67,12 @@ class CausalConv1d(nn.Conv1d):
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         left = self.dilation[0] * (self.kernel_size[0] - 1)
-        out = F.conv1d(x, self.weight, self.bias if bias else None, 1, left, self.dilation[0])
+        bias_term = self.bias if bias else None
+        if _is_channels_last(x):
+            out = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias_term, 1, (0, left), (1, self.dilation[0]))
+            out = out.squeeze(2)
+        else:
+            out = F.conv1d(x, self.weight, bias_term, 1, left, self.dilation[0])
         return out[..., : x.shape[-1]] if left else out
 
 
@@ -65,6 +80,9 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     """ConvTranspose1d(kernel 2r, stride r) that drops its last r outputs: length grows r-fold."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_channels_last(x):
+            out = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]))
+            return out.squeeze(2)[..., : -self.stride[0]]
         return super().forward(x)[..., : -self.stride[0]]
 
 
@@ -137,7 +155,17 @@ class AudioEncoder(nn.Module):
         return self.generator(x)
 
 
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """x ([N, C, L]) with the channel axis innermost in memory; x itself if it already is."""
+    if x.shape[1] == 1 or x.stride(1) == 1 and x.stride(2) == x.shape[1]:
+        return x
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class AuKVAE(nn.Module):
+    # Set by use_channels_last(): the decoder's signal layout (the values are the same).
+    channels_last = False
+
     def __init__(
         self,
         upsample_rates=DEFAULT_INIT_KWARGS["upsample_rates"],
@@ -267,6 +295,25 @@ class AuKVAE(nn.Module):
                 module.fused = bool(enabled)
         return self
 
+    def use_channels_last(self, enabled: bool = True) -> "AuKVAE":
+        """Run the decoder on channels-last signals: [B, C, L] tensors over [B, L, C] memory.
+
+        cuDNN's TF32 convolution kernels read and write NHWC; fed channels-first
+        signals they transpose every input and output (about a fifth of a compiled
+        512-frame decode on an H200). Storing the decoder's weights channels-last
+        and converting the signal once after `conv_pre` keeps every convolution,
+        transposed convolution, residual add and fused activation in that layout.
+        The values (and the CPU path) are unchanged; only strides differ.
+        """
+        self.channels_last = bool(enabled)
+        decoder = [self.conv_pre, self.conv_post, *self.ups, *self.resblocks]
+        for part in decoder:
+            for module in part.modules():
+                if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)):
+                    weight = module.weight.detach()
+                    module.weight.data = _channels_last(weight) if enabled else weight.contiguous()
+        return self
+
     # ---- geometry ------------------------------------------------------------------------
 
     def decode_context_frames(self) -> tuple[int, int]:
@@ -313,6 +360,8 @@ class AuKVAE(nn.Module):
             raise ValueError("latents have zero frames")
         x = latents * torch.sqrt(self.global_log_std) + self.global_mean
         x = self.conv_pre(x.transpose(1, 2))
+        if self.channels_last:
+            x = _channels_last(x)
         blocks = len(self.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up[0](x)

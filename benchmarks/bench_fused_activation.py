@@ -61,6 +61,8 @@ from bench_decode import median_ms  # this folder is on sys.path when run as a s
 SHAPES_512 = [(768, 2560, 18), (384, 10240, 18), (192, 30720, 18), (96, 61440, 18), (48, 122880, 18), (24, 245760, 19)]
 PREDICTED_FLOOR_US = {c: 8 * c * l / 3.5e12 * 1e6 for c, l, _ in SHAPES_512}
 SWEEP = [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
+# The channels-last kernel: (lanes per program, warps, chunk). The first is the default.
+CL_SWEEP = [(128, 4, 16), (128, 4, 8), (128, 4, 32), (256, 8, 16), (64, 2, 16), (256, 4, 16)]
 
 
 def say(line: str = "") -> None:
@@ -102,9 +104,11 @@ L2_BYTES = 50 * 2**20
 def per_shape(copy_bw: float) -> None:
     say("\n## One activation per shape (auk geometry, 512 frames)\n")
     say("Times: one CUDA graph of back-to-back launches over rotating buffers (> L2), per launch.\n")
-    say("| C @ L | eager us | fused us | speedup | fused GB/s | % of copy BW | floor us (3.5 TB/s) | best launch |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    totals = {"eager": 0.0, "fused": 0.0}
+    say("| C @ L | eager us | fused us | speedup | fused GB/s | % of copy BW | floor us (3.5 TB/s) | best launch "
+        "| channels-last us | best channels-last launch |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    totals = {"eager": 0.0, "fused": 0.0, "channels-last": 0.0}
+    cl_weighted: dict[tuple[int, int, int], float] = {}
     weighted: dict[tuple[int, int], float] = {}
     measured: dict[tuple[int, int], int] = {}
     default = dict(fa.LAUNCH)
@@ -129,6 +133,27 @@ def per_shape(copy_bw: float) -> None:
                 say(f"(launch {block}/{warps}w failed: {type(err).__name__}: {str(err)[:200]})")
         fa.LAUNCH.update(default)
         del buffers, outs
+        # The same activation on channels-last signals (the sliding kernel), per launch in CL_SWEEP.
+        buffers = [torch.randn(1, length, channels, device="cuda").transpose(1, 2)
+                   for _ in range(max(2, -(-3 * L2_BYTES // nbytes)))]
+        outs = [fa.empty_like_layout(x) for x in buffers]
+        cl_default = dict(fa.CHANNELS_LAST_LAUNCH)
+        cl_timings = {}
+        for lanes, warps, chunk in CL_SWEEP:
+            fa.CHANNELS_LAST_LAUNCH.update(lanes=lanes, num_warps=warps, chunk=chunk)
+            try:
+                cl_timings[(lanes, warps, chunk)] = graph_us(
+                    [lambda x=x, y=y: fa.fused_activation(x, act, out=y) for x, y in zip(buffers, outs)]
+                )
+            except Exception as err:
+                say(f"(channels-last launch {lanes}/{warps}w chunk {chunk} failed: {type(err).__name__}: {str(err)[:200]})")
+            fa.CHANNELS_LAST_LAUNCH.update(cl_default)
+        del buffers, outs
+        cl_best = min(cl_timings, key=cl_timings.get)
+        for key, us in cl_timings.items():
+            cl_weighted[key] = cl_weighted.get(key, 0.0) + count * us
+        channels_last = cl_timings.get(CL_SWEEP[0], cl_timings[cl_best])
+        totals["channels-last"] += count * channels_last
         best = min(timings, key=timings.get)
         for key, us in timings.items():
             weighted[key] = weighted.get(key, 0.0) + count * us
@@ -139,13 +164,18 @@ def per_shape(copy_bw: float) -> None:
         say(
             f"| {channels} @ {length} | {eager:.1f} | {fused:.1f} | {eager / fused:.1f}x | "
             f"{nbytes / fused / 1e3:.0f} | {100 * nbytes / (fused * 1e-6) / copy_bw:.0f}% | "
-            f"{PREDICTED_FLOOR_US[channels]:.1f} | {best[0]}/{best[1]}w {timings[best]:.1f} us |"
+            f"{PREDICTED_FLOOR_US[channels]:.1f} | {best[0]}/{best[1]}w {timings[best]:.1f} us | "
+            f"{channels_last:.1f} | {cl_best[0]} lanes/{cl_best[1]}w chunk {cl_best[2]} "
+            f"{cl_timings[cl_best]:.1f} us |"
         )
     say(
         f"\nAll 109 activations of a 512-frame decode: eager {totals['eager'] / 1e3:.2f} ms, "
         f"fused {totals['fused'] / 1e3:.2f} ms (default launch {default['block']}/{default['num_warps']}w), "
         f"floor {sum(count * PREDICTED_FLOOR_US[c] for c, _, count in SHAPES_512) / 1e3:.2f} ms at 3.5 TB/s."
     )
+    say(f"Channels-last kernel, all 109 activations: {totals['channels-last'] / 1e3:.2f} ms "
+        f"(default launch). Sweep (lanes/warps/chunk, decode-weighted ms): " + ", ".join(
+        f"{l}/{w}w/{c} {t / 1e3:.2f}" for (l, w, c), t in sorted(cl_weighted.items(), key=lambda kv: kv[1])))
     say("Launch sweep, decode-weighted total (ms): " + ", ".join(
         f"{b}/{w}w {t / 1e3:.2f}" for (b, w), t in sorted(weighted.items(), key=lambda kv: kv[1])))
     complete = [key for key in weighted if measured[key] == len(SHAPES_512)]
@@ -209,8 +239,27 @@ def decode_part(args) -> None:
             row(name, graph, build)
             graphs[fused] = graph
 
+        if args.channels_last:
+            # A second codec: converting weights moves them, and the graphs above hold their addresses.
+            vae_cl = AuKVAE.from_pretrained(directory, device="cuda").use_fused_activation(True)
+            vae_cl.use_channels_last(True)
+            row("eager + fused activation, channels-last", vae_cl.decode)
+            plain = AuKVAEDecodeGraph(vae_cl, compile_shapes=())
+            row("plain CUDA graph + fused, channels-last", plain)
+            del plain
+            began = time.perf_counter()
+            graph = AuKVAEDecodeGraph(vae_cl, compile_shapes=args.buckets)
+            graph.warmup("cuda")
+            build = time.perf_counter() - began
+            missing = [b for b in args.buckets if graph.compiled_bucket(b) != b]
+            name = f"compiled buckets {list(args.buckets)} + fused, channels-last"
+            row(name + (f" (buckets {missing} FAILED)" if missing else ""), graph, build)
+            graphs["channels-last"] = graph
+
         if args.first_windows:
             first_windows(graphs[True], vae, args)
+            if "channels-last" in graphs:
+                first_windows(graphs["channels-last"], vae, args)
 
         if args.max_autotune:
             vae.use_fused_activation(False)
@@ -265,6 +314,8 @@ def main() -> None:
     parser.add_argument("--first-windows", type=int, nargs="*", default=[],
                         help="first windows (frames; 0: none) to time on a long clip; each must be a bucket")
     parser.add_argument("--long-seconds", type=float, default=60.0)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="also the decode on channels-last signals (eager, plain graph, compiled buckets)")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-per-shape", action="store_true")
     args = parser.parse_args()

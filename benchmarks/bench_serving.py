@@ -63,7 +63,7 @@ def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int
     """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda)  # as served
+    vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
     graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames or None)
     graph.warmup(device)
     results = {}

@@ -55,11 +55,13 @@ def _bias_in_conv_block(self, x):
 class Variant:
     """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False):
+    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
+        self.channels_last = channels_last
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
+        vae.use_channels_last(self.channels_last)
 
     def __enter__(self):
         self.saved = (CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark)
@@ -78,6 +80,7 @@ VARIANTS = [
     Variant("fused activation, padded-copy convs", fused=True, padded_convs=True),
     Variant("fused activation", fused=True),
     Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
+    Variant("fused activation, channels-last decode", fused=True, channels_last=True),
 ]
 
 

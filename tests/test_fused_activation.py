@@ -86,6 +86,10 @@ GPU_CASES = [
     (1, 24, 100001, "transposed", True, True, True, False),
     (1, 48, 4097, "transposed", False, True, False, True),
     (2, 31, 999, "transposed", True, False, False, True),
+    (1, 384, 10240, "transposed", True, True, False, True),
+    (1, 192, 30720, "transposed", True, True, False, False),
+    (1, 64, 1, "transposed", True, True, False, False),
+    (1, 24, 3, "transposed", False, True, True, False),
 ]
 
 
@@ -120,7 +124,7 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def run_case(case, device: str, seed: int) -> dict:
     """Eager vs fused for one case; returns the errors (and whether the poisoned output came back finite)."""
     from auk_triton.activations import Activation1d
-    from auk_triton.fused_activation import fused_activation
+    from auk_triton.fused_activation import empty_like_layout, fused_activation
 
     batch, channels, length, layout, causal, logscale, random_taps, with_bias = case
     generator = torch.Generator().manual_seed(seed)
@@ -147,7 +151,7 @@ def run_case(case, device: str, seed: int) -> dict:
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
 
-    poisoned = torch.full((batch, channels, length), float("nan"), device=device)
+    poisoned = empty_like_layout(x).fill_(float("nan"))
     with torch.no_grad():
         written = fused_activation(x, act, out=poisoned, bias=bias)
         op_out = fused_activation(x, act, bias=bias)
@@ -252,7 +256,8 @@ def small_vaes(tmp_path_factory):
     checkpoint = write_synthetic_checkpoint(tmp_path_factory.mktemp("small-fused"), "small")
     reference = AuKVAE.from_pretrained(checkpoint, device="cuda")
     fused = AuKVAE.from_pretrained(checkpoint, device="cuda").use_fused_activation(True)
-    return reference, fused
+    channels_last = AuKVAE.from_pretrained(checkpoint, device="cuda").use_fused_activation(True)
+    return reference, fused, channels_last.use_channels_last(True)
 
 
 def _latents(frames: int, seed: int) -> torch.Tensor:
@@ -261,19 +266,21 @@ def _latents(frames: int, seed: int) -> torch.Tensor:
 
 
 @gpu
+@pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
 @pytest.mark.parametrize("frames", [1, 37, 300])
-def test_an_eager_decode_with_the_kernel_matches_eager(small_vaes, frames):
-    reference, fused = small_vaes
+def test_an_eager_decode_with_the_kernel_matches_eager(small_vaes, frames, layout):
+    reference, fused, channels_last = small_vaes
+    decoder = channels_last if layout == "channels-last" else fused
     clip = _latents(frames, frames)
     with torch.no_grad():
-        assert _rel_l2(fused.decode(clip), reference.decode(clip)) < DECODE_TOLERANCE
+        assert _rel_l2(decoder.decode(clip), reference.decode(clip)) < DECODE_TOLERANCE
 
 
 @gpu
 def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
     from auk_triton.decode_graph import AuKVAEDecodeGraph
 
-    reference, fused = small_vaes
+    reference, fused, channels_last = small_vaes
     graph = AuKVAEDecodeGraph(fused, compile_shapes=(128,))
     graph.warmup("cuda")
     assert graph.compiled_bucket(128) == 128, "the compiled bucket failed to build (see the warning log)"
@@ -285,6 +292,15 @@ def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
             expected = reference.decode(clip)
         settled = (frames - fused.decode_context_frames()[1] - 1) * fused.hop_size
         assert _rel_l2(out[:, :settled], expected[:, :settled]) < DECODE_TOLERANCE
+    # The channels-last decode (the sliding kernel and NHWC convolutions) in a compiled bucket.
+    graph = AuKVAEDecodeGraph(channels_last, compile_shapes=(128,))
+    graph.warmup("cuda")
+    assert graph.compiled_bucket(128) == 128, "the channels-last compiled bucket failed to build"
+    clip = _latents(128, 3)
+    out = graph(clip)
+    assert graph.last_mode == "compiled"
+    with torch.no_grad():
+        assert _rel_l2(out, reference.decode(clip)) < DECODE_TOLERANCE
     # A plain graph (eager kernels replayed) with the fused kernel captured in it.
     plain = AuKVAEDecodeGraph(fused, compile_shapes=())
     clip = _latents(77, 2)

@@ -29,7 +29,7 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.compile_shapes == (32, 128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
     assert settings.first_window_frames() == 32, "a long clip starts with the smallest bucket"
-    assert settings.fused_activation is True
+    assert settings.fused_activation is True and settings.channels_last is True
     assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
     assert settings.enable_cuda_graphs is True
     assert settings.cache_dir == Path("/c")
@@ -64,6 +64,7 @@ def test_auk_checkpoint_overrides_the_parameter_and_relative_parameters_follow_t
         ("max_frames", "0", "at least 1"),
         ("enable_cuda_graphs", "maybe", "true or false"),
         ("fused_activation", "fast", "true or false"),
+        ("channels_last", "yes please", "true or false"),
         ("first_tile_frames", "-1", "at least 0"),
     ],
 )

@@ -198,3 +198,18 @@ def test_a_checkpoint_directory_without_weights_fails_naming_the_file(tmp_path, 
     (broken / "vae.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="vae.safetensors"):
         AuKVAE.from_pretrained(broken)
+
+
+def test_a_channels_last_decode_equals_the_channels_first_decode(small_dir):
+    from auk_triton.vae import AuKVAE
+
+    reference = AuKVAE.from_pretrained(small_dir)
+    channels_last = AuKVAE.from_pretrained(small_dir).use_channels_last(True)
+    conv = channels_last.resblocks[0].convs1[0].weight
+    assert conv.stride(1) == 1, "use_channels_last must store the convolution weights channels-last"
+    latents = torch.randn(1, 29, reference.latent_dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(channels_last.decode(latents), reference.decode(latents), atol=1e-5, rtol=0)
+        channels_last.use_channels_last(False)
+        assert channels_last.resblocks[0].convs1[0].weight.is_contiguous()
+        torch.testing.assert_close(channels_last.decode(latents), reference.decode(latents), atol=0, rtol=0)

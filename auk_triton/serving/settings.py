@@ -36,6 +36,7 @@ class DecodeSettings:
     frame_alignment: int
     enable_cuda_graphs: bool
     fused_activation: bool
+    channels_last: bool
     max_frames: int
     cache_dir: Path
 
@@ -98,6 +99,7 @@ class DecodeSettings:
             frame_alignment=int_param("frame_alignment", 1, 1),
             enable_cuda_graphs=bool_param("enable_cuda_graphs", True),
             fused_activation=bool_param("fused_activation", True),
+            channels_last=bool_param("channels_last", True),
             max_frames=int_param("max_frames", DEFAULT_MAX_FRAMES, 1),
             cache_dir=Path(cache_dir).absolute(),
         )

@@ -120,6 +120,10 @@ class TritonPythonModel:
         log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
         if settings.fused_activation and self.device.type == "cuda":
             self._use_fused_activation()
+        if settings.channels_last and self.device.type == "cuda":
+            # Before the graphs are built: converting the weights moves them.
+            self.vae.use_channels_last(True)
+            log("info", f"{self.name}: decoding channels-last (cuDNN's NHWC convolutions, no transposes)")
 
         self.graph = AuKVAEDecodeGraph(
             self.vae,
