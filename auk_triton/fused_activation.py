@@ -49,9 +49,17 @@ convs1 leaves its bias out and the activation after it adds it to each loaded
 sample, the same fp32 add eager does, so no biased copy of the signal is
 written and read again.
 
-Input strides are passed to the kernel, so a non-contiguous x (a transposed or
-sliced view) is read in place, without a copy; the output is a new contiguous
-[B, C, L] tensor. The op is registered with `torch.library.triton_op`, so
+Channels-last signals (channels adjacent in memory, as `AuKVAE.use_channels_last`
+keeps the decoder's) go to a second kernel with the same arithmetic. Lanes run
+across channels instead of along time, so a warp's loads and stores are
+contiguous runs; each lane slides along a chunk of 16 outputs of its channel,
+loading one input sample and computing one (E, O) pair per step, with the
+six-sample window and the six-pair history held in registers that the unrolled
+loop renames. It recomputes five pairs per chunk (the previous chunk's tail).
+
+Input strides are passed to the kernels, so a non-contiguous x (a transposed or
+sliced view) is read in place, without a copy; the output is a new tensor in x's
+layout: channels-last where x is, else contiguous [B, C, L]. The op is registered with `torch.library.triton_op`, so
 `torch.compile` traces into it (Inductor emits the kernel call in its own code;
 no graph break) and it can be captured in CUDA graphs.
 
