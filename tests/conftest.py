@@ -244,13 +244,20 @@ class DecodeStream:
         self.client.start_stream(callback=lambda result, error: self._events.put((result, error)))
         self._pending: dict[str, StreamOutcome] = {}
 
-    def send(self, latents, request_id: str = "0", model: str = "auk_vae_decode", datatype: str | None = None):
+    def send(
+        self, latents, request_id: str = "0", model: str = "auk_vae_decode", datatype: str | None = None,
+        outputs: list[str] | None = None,
+    ):
+        """Send one request; `outputs` names the outputs to ask for (None: all, Triton's default)."""
         from tritonclient.utils import np_to_triton_dtype
 
         tensor = self._grpc.InferInput("LATENTS", list(latents.shape), datatype or np_to_triton_dtype(latents.dtype))
         tensor.set_data_from_numpy(latents)
+        requested = None if outputs is None else [self._grpc.InferRequestedOutput(name) for name in outputs]
         self._pending[request_id] = StreamOutcome(tiles=[], events=[])
-        self.client.async_stream_infer(model, [tensor], request_id=request_id, enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            model, [tensor], outputs=requested, request_id=request_id, enable_empty_final_response=True
+        )
 
     def next_event(self, timeout: float) -> tuple[str, StreamOutcome]:
         """Wait for one response; record it on its request and return (request id, outcome)."""
@@ -268,7 +275,10 @@ class DecodeStream:
         final = response.parameters["triton_final_response"].bool_param
         if response.outputs:
             outcome.events.append("tile+final" if final else "tile")
-            outcome.tiles.append((int(result.as_numpy("START_SAMPLE")[0]), result.as_numpy("WAVEFORM")))
+            names = {output.name for output in response.outputs}
+            assert len(names & {"WAVEFORM", "WAVEFORM_PCM16"}) == 1, f"one waveform per tile response, got {names}"
+            wave = result.as_numpy("WAVEFORM_PCM16" if "WAVEFORM_PCM16" in names else "WAVEFORM")
+            outcome.tiles.append((int(result.as_numpy("START_SAMPLE")[0]), wave))
         else:
             assert final, "only the final response may come without tensors"
             outcome.events.append("final")

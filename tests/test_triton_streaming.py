@@ -167,6 +167,53 @@ def test_the_offline_model_over_http_returns_the_whole_waveform_the_stream_gives
     np.testing.assert_array_equal(waveform, streamed.waveform())
 
 
+def documented_pcm16(wave: np.ndarray) -> np.ndarray:
+    """The README's conversion, written out here: clip to [-1, 1], round(x * 32767), half to even."""
+    return np.round(np.clip(wave, -1.0, 1.0).astype(np.float64) * 32767.0).astype(np.int16)
+
+
+def test_a_stream_asking_for_pcm16_gets_int16_tiles_that_are_the_documented_conversion_of_the_float_tiles(
+    triton, open_stream
+):
+    latents = make_latents(260, seed=50)
+    stream = open_stream()
+    stream.send(latents, request_id="float")  # no outputs named: all of them, so float32
+    stream.send(latents, request_id="pcm16", outputs=["WAVEFORM_PCM16", "START_SAMPLE"])
+    outcomes = stream.collect()
+    floats, pcm = outcomes["float"], outcomes["pcm16"]
+    assert floats.error is None and pcm.error is None
+    assert all(wave.dtype == np.float32 for _, wave in floats.tiles)
+    assert all(wave.dtype == np.int16 for _, wave in pcm.tiles)
+    assert pcm.events == floats.events and len(pcm.tiles) > 1
+    assert [start for start, _ in pcm.tiles] == [start for start, _ in floats.tiles]
+    for (start, samples), (_, wave) in zip(pcm.tiles, floats.tiles):
+        np.testing.assert_array_equal(samples, documented_pcm16(wave), err_msg=f"tile at sample {start}")
+
+
+def test_the_offline_model_sends_pcm16_only_when_asked_for_it_and_not_for_the_float_waveform(http_client):
+    import tritonclient.http as httpclient
+
+    latents = make_latents(90, seed=51)
+    tensor = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
+    tensor.set_data_from_numpy(latents, binary_data=True)
+
+    def infer(*names):
+        outputs = [httpclient.InferRequestedOutput(name, binary_data=True) for name in names] or None
+        return http_client.infer(OFFLINE_MODEL, [tensor], outputs=outputs)
+
+    everything = infer()
+    assert everything.as_numpy("WAVEFORM_PCM16") is None, "all outputs requested: the float32 waveform alone"
+    waveform = everything.as_numpy("WAVEFORM")
+    pcm = infer("WAVEFORM_PCM16", "START_SAMPLE")
+    assert pcm.as_numpy("WAVEFORM") is None
+    samples = pcm.as_numpy("WAVEFORM_PCM16")
+    assert samples.dtype == np.int16 and samples.shape == (90 * HOP,)
+    np.testing.assert_array_equal(samples, documented_pcm16(waveform))
+    both = infer("WAVEFORM", "WAVEFORM_PCM16")
+    np.testing.assert_array_equal(both.as_numpy("WAVEFORM"), waveform)
+    assert both.as_numpy("WAVEFORM_PCM16") is None
+
+
 def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_streams_every_tile(
     triton, reference_vae
 ):

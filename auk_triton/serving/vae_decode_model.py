@@ -18,7 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.decode_graph import AuKVAEDecodeGraph
-from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor
+from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor, to_pcm16
 from auk_triton.serving.settings import (
     DEFAULT_PRESET,
     DecodeSettings,
@@ -30,6 +30,18 @@ from auk_triton.synthetic import SYNTHETIC_WARNING
 from auk_triton.vae import AuKVAE
 
 TIERS = ("compiled", "graph", "eager")
+WAVEFORM, WAVEFORM_PCM16 = "WAVEFORM", "WAVEFORM_PCM16"
+
+
+def wants_pcm16(request) -> bool:
+    """Whether to send WAVEFORM_PCM16 (int16) instead of WAVEFORM (float32).
+
+    Only when the request names WAVEFORM_PCM16 among its outputs and not WAVEFORM:
+    a request that names no outputs asks, to Triton, for all of them, and gets the
+    float32 waveform alone, as before the int16 output existed.
+    """
+    names = set(request.requested_output_names())
+    return WAVEFORM_PCM16 in names and WAVEFORM not in names
 
 
 class DecodeMetrics:
@@ -189,8 +201,9 @@ class TritonPythonModel:
         )
         return torch.from_numpy(array).to(self.device).unsqueeze(0)
 
-    def _tiles(self, latents: torch.Tensor, decoded: list):
-        """Yield (start_sample, float32 waveform on the host) per decoded tile, in order.
+    def _tiles(self, latents: torch.Tensor, decoded: list, pcm16: bool = False):
+        """Yield (start_sample, waveform on the host) per decoded tile, in order: float32,
+        or int16 (`to_pcm16`, converted on the device before the copy) when `pcm16`.
 
         Appends (tier, seconds, audio seconds) per tile to `decoded`; the caller
         reports them to the metrics once the response is complete, because every
@@ -205,10 +218,11 @@ class TritonPythonModel:
             if item is None:
                 return
             start_frame, wave = item
+            samples = to_pcm16(wave[0]) if pcm16 else wave[0]
             # Off the graph buffers before the next tile overwrites them; pinned host
             # memory (cached by torch) makes the copy a DMA at full bus speed.
-            host = torch.empty(wave.shape[1], dtype=torch.float32, pin_memory=wave.is_cuda)
-            host.copy_(wave[0])
+            host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=wave.is_cuda)
+            host.copy_(samples)
             decoded.append((self.graph.last_mode, time.perf_counter() - began, host.numel() / rate))
             yield start_frame * hop, host
 
@@ -220,11 +234,12 @@ class TritonPythonModel:
     def _respond(self, request):
         decoded = []
         try:
-            parts = [wave for _, wave in self._tiles(self._latents(request), decoded)]
+            pcm16 = wants_pcm16(request)
+            parts = [wave for _, wave in self._tiles(self._latents(request), decoded, pcm16)]
             waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
             return pb_utils.InferenceResponse(
                 output_tensors=[
-                    output_tensor("WAVEFORM", waveform),
+                    output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, waveform),
                     output_tensor("START_SAMPLE", torch.zeros(1, dtype=torch.int64)),
                 ]
             )
@@ -251,12 +266,13 @@ class TritonPythonModel:
         try:
             latents = self._latents(request)
             total = latents.shape[1] * self.vae.hop_size
-            for start, wave in self._tiles(latents, decoded):
+            pcm16 = wants_pcm16(request)
+            for start, wave in self._tiles(latents, decoded, pcm16):
                 last = start + wave.numel() >= total
                 sender.send(
                     pb_utils.InferenceResponse(
                         output_tensors=[
-                            output_tensor("WAVEFORM", wave),
+                            output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, wave),
                             output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
                         ]
                     ),

@@ -143,10 +143,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     ok = False
     try:
+        # PCM16 output (the default WAV, and --raw) asks the server for WAVEFORM_PCM16:
+        # the same conversion done there, and half the bytes on the wire.
+        pcm16 = fmt == PCM16
         if args.http:
-            incoming = iter([st.decode_offline(latents, url=url, model=model, timeout=args.timeout)])
+            incoming = iter([st.decode_offline(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)])
         else:
-            incoming = st.stream_decode(latents, url=url, model=model, timeout=args.timeout)
+            incoming = st.stream_decode(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)
         for tile in incoming:
             for sink in sinks:
                 sink.place(tile.start_sample, tile.waveform)

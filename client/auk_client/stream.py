@@ -35,6 +35,7 @@ DEFAULT_TIMEOUT_S = 120.0
 
 INPUT_NAME = "LATENTS"
 WAVEFORM = "WAVEFORM"
+WAVEFORM_PCM16 = "WAVEFORM_PCM16"  # the same samples as int16, half the bytes on the wire
 START_SAMPLE = "START_SAMPLE"
 
 
@@ -54,7 +55,7 @@ class BadInput(AuKClientError):
 @dataclass
 class Tile:
     start_sample: int
-    waveform: np.ndarray  # float32, [n]
+    waveform: np.ndarray  # [n]: float32 in [-1, 1], or int16 PCM where PCM16 was asked for
     arrived_s: float  # seconds after the request was sent
 
     @property
@@ -212,23 +213,28 @@ def stream_decode(
     url: str = DEFAULT_GRPC_URL,
     model: str = STREAM_MODEL,
     timeout: float = DEFAULT_TIMEOUT_S,
+    pcm16: bool = False,
 ) -> Iterator[Tile]:
     """Decode over a gRPC stream, yielding tiles as the server sends them.
 
     `timeout` bounds the whole request (first byte to final response).
-    Closing the generator early cancels the request on the server.
+    Closing the generator early cancels the request on the server. `pcm16` asks
+    for WAVEFORM_PCM16: int16 tiles, converted by the server, half the bytes.
     """
     import tritonclient.grpc as grpcclient
 
     latents = check_latents(latents)
     inp = grpcclient.InferInput(INPUT_NAME, list(latents.shape), "FP32")
     inp.set_data_from_numpy(latents)
-    return stream_infer(model, [inp], url=url, timeout=timeout)
+    return stream_infer(model, [inp], url=url, timeout=timeout, waveform=WAVEFORM_PCM16 if pcm16 else WAVEFORM)
 
 
-def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Iterator[Tile]:
+def stream_infer(
+    model: str, inputs: list, *, url: str, timeout: float, waveform: str = WAVEFORM
+) -> Iterator[Tile]:
     """Send one request to a decoupled model (or an ensemble ending in one) over a gRPC
-    stream and yield a `Tile` per WAVEFORM response, until the final flag.
+    stream and yield a `Tile` per response carrying `waveform` (the output to ask for:
+    WAVEFORM or WAVEFORM_PCM16), until the final flag.
 
     The final flag usually comes with the last tile, which is yielded like the
     others; an empty final response (after a cancellation) yields nothing.
@@ -244,7 +250,7 @@ def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Itera
             callback=lambda result, error: responses.put((result, error)),
             stream_timeout=timeout,
         )
-        outputs = [grpcclient.InferRequestedOutput(WAVEFORM), grpcclient.InferRequestedOutput(START_SAMPLE)]
+        outputs = [grpcclient.InferRequestedOutput(waveform), grpcclient.InferRequestedOutput(START_SAMPLE)]
         sent = time.perf_counter()
         deadline = sent + timeout
         try:
@@ -277,12 +283,12 @@ def stream_infer(model: str, inputs: list, *, url: str, timeout: float) -> Itera
                 "triton_final_response" in response.parameters
                 and response.parameters["triton_final_response"].bool_param
             )
-            wave = result.as_numpy(WAVEFORM)
+            wave = result.as_numpy(waveform)
             if wave is not None:
                 start = result.as_numpy(START_SAMPLE)
                 if start is None or start.size != 1:
-                    raise AuKClientError(f"{model} sent a {WAVEFORM} without a one-element {START_SAMPLE}")
-                yield Tile(int(start.reshape(-1)[0]), np.asarray(wave, np.float32).reshape(-1), arrived)
+                    raise AuKClientError(f"{model} sent a {waveform} without a one-element {START_SAMPLE}")
+                yield Tile(int(start.reshape(-1)[0]), _samples(wave, waveform), arrived)
             if finished:
                 return
     except AuKClientError:
@@ -306,8 +312,11 @@ def decode_offline(
     url: str = DEFAULT_HTTP_URL,
     model: str = OFFLINE_MODEL,
     timeout: float = DEFAULT_TIMEOUT_S,
+    pcm16: bool = False,
 ) -> Tile:
-    """Decode the whole clip with one HTTP request to the non-decoupled model."""
+    """Decode the whole clip with one HTTP request to the non-decoupled model
+    (`pcm16`: ask for WAVEFORM_PCM16, int16 samples)."""
+    waveform = WAVEFORM_PCM16 if pcm16 else WAVEFORM
     import tritonclient.http as httpclient
 
     latents = check_latents(latents)
@@ -320,7 +329,7 @@ def decode_offline(
             inp = httpclient.InferInput(INPUT_NAME, list(latents.shape), "FP32")
             inp.set_data_from_numpy(latents, binary_data=True)
             outputs = [
-                httpclient.InferRequestedOutput(WAVEFORM, binary_data=True),
+                httpclient.InferRequestedOutput(waveform, binary_data=True),
                 httpclient.InferRequestedOutput(START_SAMPLE, binary_data=True),
             ]
             sent = time.perf_counter()
@@ -332,12 +341,24 @@ def decode_offline(
         raise
     except Exception as exc:
         raise _describe_http_error(exc, url, model, timeout) from None
-    wave = result.as_numpy(WAVEFORM)
+    wave = result.as_numpy(waveform)
     if wave is None:
-        raise AuKClientError(f"{model} at {url} returned no {WAVEFORM}")
+        raise AuKClientError(f"{model} at {url} returned no {waveform}")
     start = result.as_numpy(START_SAMPLE)
     start_sample = int(start.reshape(-1)[0]) if start is not None and start.size else 0
-    return Tile(start_sample, np.asarray(wave, np.float32).reshape(-1), arrived)
+    return Tile(start_sample, _samples(wave, waveform), arrived)
+
+
+def _samples(wave: np.ndarray, name: str) -> np.ndarray:
+    """A received waveform output as a flat array of its declared type."""
+    return np.asarray(wave, np.int16 if name == WAVEFORM_PCM16 else np.float32).reshape(-1)
+
+
+def as_float32(samples: np.ndarray) -> np.ndarray:
+    """Samples as float32 in [-1, 1]: int16 PCM is divided by 32767 (the inverse of the scaling)."""
+    if samples.dtype == np.int16:
+        return samples.astype(np.float32) / np.float32(32767.0)
+    return np.asarray(samples, np.float32)
 
 
 def assemble(tiles: list[Tile], total_samples: int | None = None) -> np.ndarray:
@@ -347,5 +368,5 @@ def assemble(tiles: list[Tile], total_samples: int | None = None) -> np.ndarray:
         end = max(end, total_samples)
     out = np.zeros(end, dtype=np.float32)
     for t in tiles:
-        out[t.start_sample:t.end_sample] = t.waveform
+        out[t.start_sample:t.end_sample] = as_float32(t.waveform)
     return out

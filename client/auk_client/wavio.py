@@ -30,15 +30,27 @@ _WAVE_FORMAT_IEEE_FLOAT = 3
 
 
 def to_pcm16(samples: np.ndarray) -> np.ndarray:
-    """Float samples in [-1, 1] to int16: clip, scale by 32767, round half to even."""
-    x = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
+    """Float samples in [-1, 1] to int16: clip, scale by 32767, round half to even.
+    int16 samples (the server's WAVEFORM_PCM16, converted the same way) pass through."""
+    samples = np.asarray(samples)
+    if samples.dtype == np.int16:
+        return samples.astype("<i2", copy=False)
+    x = np.clip(samples.astype(np.float32, copy=False), -1.0, 1.0)
     return np.round(x.astype(np.float64) * 32767.0).astype("<i2")
+
+
+def _flat_samples(samples: np.ndarray) -> np.ndarray:
+    """A flat int16 array as it is, anything else as float32."""
+    samples = np.asarray(samples).reshape(-1)
+    return samples if samples.dtype == np.int16 else samples.astype(np.float32, copy=False)
 
 
 def _encode(samples: np.ndarray, fmt: str) -> bytes:
     if fmt == PCM16:
         return to_pcm16(samples).tobytes()
     if fmt == FLOAT32:
+        if samples.dtype == np.int16:  # back to [-1, 1]
+            samples = samples.astype(np.float32) / np.float32(32767.0)
         return np.asarray(samples, dtype="<f4").tobytes()
     raise ValueError(f"unknown sample format {fmt!r}; expected one of {FORMATS}")
 
@@ -99,10 +111,10 @@ class WavWriter:
 
     # -- samples ----------------------------------------------------------
     def place(self, start_sample: int, samples: np.ndarray) -> None:
-        """Write `samples` (float, [-1, 1]) so that the first lands at `start_sample`."""
+        """Write `samples` (float in [-1, 1], or int16 PCM) so that the first lands at `start_sample`."""
         if start_sample < 0:
             raise ValueError(f"negative start sample {start_sample}")
-        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        samples = _flat_samples(samples)
         if start_sample > self.frames:
             self._file.seek(self._data_offset + self.frames * self.width)
             self._file.write(b"\0" * ((start_sample - self.frames) * self.width))
@@ -141,7 +153,7 @@ class RawPcm16Stream:
         self.frames = 0
 
     def place(self, start_sample: int, samples: np.ndarray) -> None:
-        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        samples = _flat_samples(samples)
         if start_sample > self.frames:
             self.stream.write(b"\0\0" * (start_sample - self.frames))
             self.frames = start_sample
