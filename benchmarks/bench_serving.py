@@ -25,6 +25,11 @@ config): slow, a check that the script works, not a measurement to quote.
 
     python benchmarks/bench_serving.py --preset auk --seconds 2 10 60 --concurrency 1 4 16
     python benchmarks/bench_serving.py --device cpu --preset small --seconds 2 --concurrency 1 --reps 2
+
+Each cell runs once per sample format (`--formats`): float32 asks for all outputs
+(so WAVEFORM, as a client that names none), pcm16 names WAVEFORM_PCM16 and gets
+int16 samples, half the bytes; its in-process reference converts on the device
+before the copy to the host, as the model does.
 """
 
 import argparse
@@ -44,6 +49,7 @@ import numpy as np
 import torch
 
 from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph
+from auk_triton.pcm16 import to_pcm16
 from auk_triton.server import server_command
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AuKVAE
@@ -53,14 +59,19 @@ MODEL = "auk_vae_decode"
 OFFLINE_MODEL = "auk_vae_decode_offline"
 # Triton's cumulative per-model statistics (inference_stats), each a count and nanoseconds.
 STAT_FIELDS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
+# Sample formats: the output each client asks for (None: all outputs, the float32 WAVEFORM).
+OUTPUTS = {"float32": None, "pcm16": "WAVEFORM_PCM16"}
 
 
 def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
-def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str) -> dict:
-    """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does."""
+def in_process(
+    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, pcm16: bool = False
+) -> dict:
+    """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does
+    (`pcm16`: converted to int16 on the device first, as for WAVEFORM_PCM16)."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
@@ -75,7 +86,7 @@ def in_process(checkpoint: Path, seconds_list, reps: int, first_tile_frames: int
             began = time.perf_counter()
             first = None
             for _, wave in graph.decode_tiles(latents):
-                wave.cpu()
+                (to_pcm16(wave) if pcm16 else wave).cpu()
                 if first is None:
                     first = time.perf_counter() - began
             total = time.perf_counter() - began
@@ -133,7 +144,10 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
 
 
-def client_loop(url: str, latents: np.ndarray, reps: int, out: list, barrier: threading.Barrier) -> None:
+def client_loop(
+    url: str, latents: np.ndarray, reps: int, out: list, barrier: threading.Barrier, waveform: str | None = None
+) -> None:
+    """`reps` requests on one stream; `waveform`: the output to ask for (None: all, so WAVEFORM)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -141,17 +155,18 @@ def client_loop(url: str, latents: np.ndarray, reps: int, out: list, barrier: th
     client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
     inputs = [grpcclient.InferInput("LATENTS", list(latents.shape), "FP32")]
     inputs[0].set_data_from_numpy(latents)
+    outputs = None if waveform is None else [grpcclient.InferRequestedOutput(n) for n in (waveform, "START_SAMPLE")]
     barrier.wait()
     for _ in range(reps):
         sent = time.perf_counter()
-        client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(MODEL, inputs, outputs=outputs, enable_empty_final_response=True)
         first = None
         while True:
             arrived, result, error = responses.get(timeout=300)
             if error is not None:
                 raise RuntimeError(str(error))
             # The last tile carries the final flag: one response may be both the first and the last.
-            if first is None and result.as_numpy("WAVEFORM") is not None:
+            if first is None and result.as_numpy(waveform or "WAVEFORM") is not None:
                 first = arrived - sent
             params = result.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
@@ -222,15 +237,16 @@ def ms(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def load(url: str, seconds: float, concurrency: int, reps: int) -> dict:
+def load(url: str, seconds: float, concurrency: int, reps: int, waveform: str | None = None) -> dict:
     latents = np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
     start = server_stats(url)
-    client_loop(url, latents, 2, [], threading.Barrier(1))  # warm the connection and the plain graphs
+    client_loop(url, latents, 2, [], threading.Barrier(1), waveform)  # warm the connection and the plain graphs
     before = stats_after(url, start, 2)  # the cell's statistics leave the warm-up out
     samples: list = []
     barrier = threading.Barrier(concurrency + 1)
     threads = [
-        threading.Thread(target=client_loop, args=(url, latents, reps, samples, barrier)) for _ in range(concurrency)
+        threading.Thread(target=client_loop, args=(url, latents, reps, samples, barrier, waveform))
+        for _ in range(concurrency)
     ]
     for thread in threads:
         thread.start()
@@ -250,21 +266,21 @@ def load(url: str, seconds: float, concurrency: int, reps: int) -> dict:
     }
 
 
-def print_breakdown(rows: dict, local: dict, seconds_list) -> None:
+def print_breakdown(rows: dict, local: dict, seconds_list, fmt: str) -> None:
     """Triton's per-request means at concurrency 1, and the overhead split into server and the rest.
 
     overhead = client mean total - in-process median total
              = (Triton request duration - in-process) + (client total - Triton request duration)
     """
-    print("\nServer side, concurrency 1 (Triton's statistics, mean ms per request):")
+    print(f"\nServer side, {fmt}, concurrency 1 (Triton's statistics, mean ms per request):")
     print("| audio | requests | queue | compute input | compute infer | compute output | request (success) | "
           "in-process total | client total (mean) | overhead | server side | gRPC + client |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for seconds in seconds_list:
-        row = rows.get((seconds, 1))
+        row = rows.get((fmt, seconds, 1))
         if row is None:
             continue
-        server, decode, client = row["server"], local[seconds][1], row["total_mean"]
+        server, decode, client = row["server"], local[fmt][seconds][1], row["total_mean"]
         request = server["success"]
         server_side = None if request is None else request - decode
         rest = None if request is None else client - request
@@ -284,6 +300,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=8, help="requests per client per cell")
     parser.add_argument("--first-tile-frames", type=int, default=min(DEFAULT_COMPILE_SHAPES),
                         help="the in-process first window, as the served default (the smallest bucket); 0: off")
+    parser.add_argument("--formats", nargs="+", default=["float32", "pcm16"], choices=list(OUTPUTS),
+                        help="sample formats to measure: float32 (WAVEFORM) and pcm16 (WAVEFORM_PCM16, half the bytes)")
     parser.add_argument("--perf-analyzer", default=None, help="a perf_analyzer binary: also run a short pass of it")
     parser.add_argument("--cache-dir", default=None, help="AUK_CACHE_DIR for the server (compile caches)")
     parser.add_argument("--log", default="tritonserver.log")
@@ -295,27 +313,33 @@ def main() -> None:
     print(f"# AuK serving, {args.preset} (synthetic), {where}, torch {torch.__version__}, "
           f"{datetime.date.today()}", flush=True)
 
-    local = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device)
-    print(f"in-process: one {512}-frame tile {local['one_tile_ms']:.2f} ms", flush=True)
-    for seconds in args.seconds:
-        print(f"in-process {seconds:g} s: first tile {local[seconds][0]:.2f} ms, total {local[seconds][1]:.2f} ms",
-              flush=True)
+    local = {}
+    for fmt in args.formats:
+        local[fmt] = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device,
+                                pcm16=fmt == "pcm16")
+        print(f"in-process, {fmt}: one {512}-frame tile {local[fmt]['one_tile_ms']:.2f} ms", flush=True)
+        for seconds in args.seconds:
+            print(f"in-process, {fmt}, {seconds:g} s: first tile {local[fmt][seconds][0]:.2f} ms, "
+                  f"total {local[fmt][seconds][1]:.2f} ms", flush=True)
 
     models = (MODEL, OFFLINE_MODEL) if args.perf_analyzer else (MODEL,)
     process, url, http_url = start_server(checkpoint, cache, Path(args.log), models,
                                           device="gpu" if args.device == "cuda" else "cpu")
     try:
-        print("| audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s | in-process total ms |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+        print("| format | audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s "
+              "| in-process total ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
         rows = {}
-        for seconds in args.seconds:
-            for concurrency in args.concurrency:
-                row = load(url, seconds, concurrency, args.reps)
-                rows[seconds, concurrency] = row
-                print(f"| {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
-                      f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "
-                      f"{local[seconds][1]:.1f} |", flush=True)
-        print_breakdown(rows, local, args.seconds)
+        for fmt in args.formats:
+            for seconds in args.seconds:
+                for concurrency in args.concurrency:
+                    row = load(url, seconds, concurrency, args.reps, OUTPUTS[fmt])
+                    rows[fmt, seconds, concurrency] = row
+                    print(f"| {fmt} | {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
+                          f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "
+                          f"{local[fmt][seconds][1]:.1f} |", flush=True)
+        for fmt in args.formats:
+            print_breakdown(rows, local, args.seconds, fmt)
         if args.perf_analyzer:
             script = Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"
             subprocess.run(
@@ -329,13 +353,13 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=60)
 
-    if (10, 1) in rows or (10.0, 1) in rows:
-        row = rows[10.0, 1]
-        overhead = row["total_p50"] / local[10.0][1] - 1
-        print(f"serving overhead, 10 s clip, concurrency 1: {overhead * 100:.1f}% of the in-process decode")
-    if (60.0, 1) in rows:
-        ratio = rows[60.0, 1]["first_p50"] / local["one_tile_ms"]
-        print(f"time to first audio, 60 s clip, concurrency 1: {ratio:.2f} x one tile's decode")
+    for fmt in args.formats:
+        if (fmt, 10.0, 1) in rows:
+            overhead = rows[fmt, 10.0, 1]["total_p50"] / local[fmt][10.0][1] - 1
+            print(f"serving overhead, {fmt}, 10 s clip, concurrency 1: {overhead * 100:.1f}% of the in-process decode")
+        if (fmt, 60.0, 1) in rows:
+            ratio = rows[fmt, 60.0, 1]["first_p50"] / local[fmt]["one_tile_ms"]
+            print(f"time to first audio, {fmt}, 60 s clip, concurrency 1: {ratio:.2f} x one tile's decode")
 
 
 if __name__ == "__main__":

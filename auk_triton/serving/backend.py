@@ -32,13 +32,6 @@ def output_tensor(name: str, value: torch.Tensor):
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
 
 
-def to_pcm16(wave: torch.Tensor) -> torch.Tensor:
-    """Float samples in [-1, 1] to int16, on wave's device: clip, scale by 32767, round
-    half to even (in float64, so every float32 sample rounds as the client's numpy
-    conversion rounds it). Half the bytes of float32 to copy and send."""
-    return torch.round(wave.clamp(-1.0, 1.0).double() * 32767.0).to(torch.int16)
-
-
 def error_response(message: str):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 

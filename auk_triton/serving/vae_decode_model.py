@@ -18,7 +18,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.decode_graph import AuKVAEDecodeGraph
-from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor, to_pcm16
+from auk_triton.pcm16 import to_pcm16
+from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor
 from auk_triton.serving.settings import (
     DEFAULT_PRESET,
     DecodeSettings,
