@@ -29,7 +29,7 @@ everything runs eager (tiling included in `decode_tiles`).
 
 import logging
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -38,6 +38,15 @@ from .vae import AuKVAE
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_SHAPES: tuple[int, ...] = (32, 128, 256, 512)
+
+
+class HostTile(NamedTuple):
+    """One decoded tile on the host (`AuKVAEDecodeGraph.host_tiles`)."""
+
+    start_frame: int  # the clip frame of its first sample
+    samples: torch.Tensor  # [samples], host memory
+    mode: str | None  # the tier that decoded it: compiled, graph, eager
+    seconds: float  # from its decode's launch to its samples on the host
 
 
 def plan_tiles(
@@ -200,6 +209,43 @@ class AuKVAEDecodeGraph:
         for start, size, emit_start, emit_end in plan:
             wave = self._decode_window(latents[:, start : start + size])
             yield emit_start, wave[:, (emit_start - start) * hop : (emit_end - start) * hop]
+
+    def host_tiles(
+        self,
+        latents: torch.Tensor,
+        convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        look_ahead: bool = False,
+    ) -> Iterator["HostTile"]:
+        """`decode_tiles`, each tile copied off the graph buffers into host memory (pinned
+        where it comes from a GPU, so the copy is a DMA at full bus speed).
+
+        `convert` maps a tile's samples on the device before the copy (to int16 PCM,
+        for example). `look_ahead` launches the next window's decode before a tile is
+        handed over, so the GPU decodes it while the caller sends that tile: a tile's
+        samples are on the host before the next replay can overwrite its buffer. Use
+        it only where decodes are asynchronous (CUDA); on a CPU the next decode would
+        run before the tile is handed over and delay it by a whole window.
+        """
+        tiles = self.decode_tiles(latents)
+        began = time.perf_counter()
+        item = next(tiles, None)
+        mode = self.last_mode
+        while item is not None:
+            start_frame, wave = item
+            samples = wave[0] if convert is None else convert(wave[0])
+            host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=samples.is_cuda)
+            host.copy_(samples)  # waits for this window's decode
+            tile = HostTile(start_frame, host, mode, time.perf_counter() - began)
+            if look_ahead:
+                began = time.perf_counter()
+                item = next(tiles, None)
+                mode = self.last_mode
+                yield tile
+            else:
+                yield tile
+                began = time.perf_counter()
+                item = next(tiles, None)
+                mode = self.last_mode
 
     # ---- tiers ---------------------------------------------------------------------------
 

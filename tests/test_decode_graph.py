@@ -94,6 +94,35 @@ def test_tiles_stitch_into_the_whole_clip_decode(small, frames, tile):
     torch.testing.assert_close(graph(latents), whole, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_host_tiles_are_host_copies_of_the_decoded_tiles_converted_as_asked(small, look_ahead):
+    latents = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(8))
+    graph = AuKVAEDecodeGraph(small, tile_frames=128)
+    expected = [(start, wave[0].clone()) for start, wave in graph.decode_tiles(latents)]
+    tiles = list(graph.host_tiles(latents, look_ahead=look_ahead))
+    assert [tile.start_frame for tile in tiles] == [start for start, _ in expected]
+    for tile, (_, wave) in zip(tiles, expected):
+        assert tile.mode == "eager" and tile.seconds > 0
+        torch.testing.assert_close(tile.samples, wave, atol=0, rtol=0)
+    halved = list(graph.host_tiles(latents, convert=lambda wave: wave.half(), look_ahead=look_ahead))
+    assert all(tile.samples.dtype == torch.float16 for tile in halved)
+    torch.testing.assert_close(torch.cat([t.samples for t in halved]), torch.cat([w for _, w in expected]).half())
+
+
+def test_look_ahead_decodes_the_next_window_before_a_tile_is_handed_over(small, monkeypatch):
+    latents = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(9))
+    graph = AuKVAEDecodeGraph(small, tile_frames=128)
+    windows = []
+    decode_window = graph._decode_window
+    monkeypatch.setattr(graph, "_decode_window", lambda window: windows.append(window.shape[1]) or decode_window(window))
+    seen = [len(windows) for _ in graph.host_tiles(latents, look_ahead=True)]
+    count = len(windows)
+    assert count > 2
+    assert seen == [min(i + 2, count) for i in range(count)], "window k+1 decoded before tile k is yielded"
+    windows.clear()
+    assert [len(windows) for _ in graph.host_tiles(latents)] == list(range(1, count + 1)), "without: one at a time"
+
+
 def test_on_the_cpu_every_call_is_the_eager_decode(small):
     latents = torch.randn(1, 90, 64, generator=torch.Generator().manual_seed(5))
     graph = AuKVAEDecodeGraph(small)

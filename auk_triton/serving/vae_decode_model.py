@@ -206,26 +206,18 @@ class TritonPythonModel:
         """Yield (start_sample, waveform on the host) per decoded tile, in order: float32,
         or int16 (`to_pcm16`, converted on the device before the copy) when `pcm16`.
 
-        Appends (tier, seconds, audio seconds) per tile to `decoded`; the caller
-        reports them to the metrics once the response is complete, because every
-        metric update is a round trip to the server process that would otherwise
-        sit between a tile and its delivery.
+        On a GPU the next tile's decode is launched before a tile is yielded, so the
+        GPU decodes it while this one is sent (a send waits for the server to write
+        the response to the client's socket). Appends (tier, seconds, audio seconds)
+        per tile to `decoded`; the caller reports them to the metrics once the
+        response is complete, because every metric update is a round trip to the
+        server process that would otherwise sit between a tile and its delivery.
         """
         hop, rate = self.vae.hop_size, self.vae.sample_rate
-        tiles = self.graph.decode_tiles(latents)
-        while True:
-            began = time.perf_counter()
-            item = next(tiles, None)
-            if item is None:
-                return
-            start_frame, wave = item
-            samples = to_pcm16(wave[0]) if pcm16 else wave[0]
-            # Off the graph buffers before the next tile overwrites them; pinned host
-            # memory (cached by torch) makes the copy a DMA at full bus speed.
-            host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=wave.is_cuda)
-            host.copy_(samples)
-            decoded.append((self.graph.last_mode, time.perf_counter() - began, host.numel() / rate))
-            yield start_frame * hop, host
+        convert = to_pcm16 if pcm16 else None
+        for tile in self.graph.host_tiles(latents, convert, look_ahead=latents.is_cuda):
+            decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
+            yield tile.start_frame * hop, tile.samples
 
     def _report(self, decoded: list) -> None:
         for tier, seconds, audio_seconds in decoded:
