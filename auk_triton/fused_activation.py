@@ -59,9 +59,10 @@ loop renames. It recomputes five pairs per chunk (the previous chunk's tail).
 
 Input strides are passed to the kernels, so a non-contiguous x (a transposed or
 sliced view) is read in place, without a copy; the output is a new tensor in x's
-layout: channels-last where x is, else contiguous [B, C, L]. The op is registered with `torch.library.triton_op`, so
-`torch.compile` traces into it (Inductor emits the kernel call in its own code;
-no graph break) and it can be captured in CUDA graphs.
+layout: channels-last where x is, else contiguous [B, C, L]. The op is registered
+with `torch.library.triton_op`, so `torch.compile` traces into it (Inductor emits
+the kernel call in its own code; no graph break) and it can be captured in CUDA
+graphs.
 
 Under `TRITON_INTERPRET=1` (tests on a CPU) the kernel runs in Triton's
 interpreter; libdevice has no interpreter implementation, so sin, exp and the

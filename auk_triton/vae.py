@@ -303,7 +303,8 @@ class AuKVAE(nn.Module):
         512-frame decode on an H200). Storing the decoder's weights channels-last
         and converting the signal once after `conv_pre` keeps every convolution,
         transposed convolution, residual add and fused activation in that layout.
-        The values (and the CPU path) are unchanged; only strides differ.
+        The weights keep their values, only their strides change; decodes differ
+        at rounding level, where other convolution algorithms run.
         """
         self.channels_last = bool(enabled)
         decoder = [self.conv_pre, self.conv_post, *self.ups, *self.resblocks]

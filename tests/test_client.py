@@ -367,6 +367,23 @@ def test_the_pcm16_conversion_clips_and_rounds_as_documented():
     np.testing.assert_array_equal(to_pcm16(x)[:5], [0, 32767, -32767, 32767, -32767])
 
 
+def test_server_pcm16_samples_are_written_as_they_are_and_back_to_float_by_the_inverse_scale(tmp_path):
+    sys.path.insert(0, str(CLIENT_DIR))
+    from auk_client.stream import Tile, assemble
+    from auk_client.wavio import FLOAT32, PCM16, WavWriter, read_wav, to_pcm16
+
+    pcm = np.array([0, 32767, -32767, 12345, -1], np.int16)
+    np.testing.assert_array_equal(to_pcm16(pcm), pcm)
+    for fmt in (PCM16, FLOAT32):
+        path = tmp_path / f"{fmt}.wav"
+        with WavWriter(str(path), fmt=fmt) as wav:
+            wav.place(0, pcm)
+        _, samples = read_wav(str(path))
+        expected = pcm if fmt == PCM16 else pcm.astype(np.float32) / np.float32(32767)
+        np.testing.assert_array_equal(samples, expected)
+    np.testing.assert_array_equal(assemble([Tile(2, pcm, 0.0)]), [0, 0, *(pcm.astype(np.float32) / 32767)])
+
+
 def test_the_auk_client_console_script_is_installed_and_prints_usage():
     script = Path(sys.executable).parent / "auk-client"
     if not script.exists():

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .wavio import from_pcm16
+
 SAMPLE_RATE = 24000
 HOP = 480  # samples per latent frame
 FRAMES_PER_SECOND = SAMPLE_RATE / HOP  # 50
@@ -354,12 +356,6 @@ def _samples(wave: np.ndarray, name: str) -> np.ndarray:
     return np.asarray(wave, np.int16 if name == WAVEFORM_PCM16 else np.float32).reshape(-1)
 
 
-def as_float32(samples: np.ndarray) -> np.ndarray:
-    """Samples as float32 in [-1, 1]: int16 PCM is divided by 32767 (the inverse of the scaling)."""
-    if samples.dtype == np.int16:
-        return samples.astype(np.float32) / np.float32(32767.0)
-    return np.asarray(samples, np.float32)
-
 
 def assemble(tiles: list[Tile], total_samples: int | None = None) -> np.ndarray:
     """Place tiles into one float32 array (later tiles overwrite overlaps; gaps are zeros)."""
@@ -368,5 +364,5 @@ def assemble(tiles: list[Tile], total_samples: int | None = None) -> np.ndarray:
         end = max(end, total_samples)
     out = np.zeros(end, dtype=np.float32)
     for t in tiles:
-        out[t.start_sample:t.end_sample] = as_float32(t.waveform)
+        out[t.start_sample:t.end_sample] = from_pcm16(t.waveform) if t.waveform.dtype == np.int16 else t.waveform
     return out

@@ -39,6 +39,11 @@ def to_pcm16(samples: np.ndarray) -> np.ndarray:
     return np.round(x.astype(np.float64) * 32767.0).astype("<i2")
 
 
+def from_pcm16(samples: np.ndarray) -> np.ndarray:
+    """int16 PCM back to float32 in [-1, 1] (divided by 32767, the scale of `to_pcm16`)."""
+    return np.asarray(samples, dtype=np.int16).astype(np.float32) / np.float32(32767.0)
+
+
 def _flat_samples(samples: np.ndarray) -> np.ndarray:
     """A flat int16 array as it is, anything else as float32."""
     samples = np.asarray(samples).reshape(-1)
@@ -49,8 +54,8 @@ def _encode(samples: np.ndarray, fmt: str) -> bytes:
     if fmt == PCM16:
         return to_pcm16(samples).tobytes()
     if fmt == FLOAT32:
-        if samples.dtype == np.int16:  # back to [-1, 1]
-            samples = samples.astype(np.float32) / np.float32(32767.0)
+        if samples.dtype == np.int16:
+            samples = from_pcm16(samples)
         return np.asarray(samples, dtype="<f4").tobytes()
     raise ValueError(f"unknown sample format {fmt!r}; expected one of {FORMATS}")
 
