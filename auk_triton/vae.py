@@ -62,18 +62,31 @@ class CausalConv1d(nn.Conv1d):
     L + left); its consumers read strided rows.
 
     `bias=False` leaves the bias out, for a consumer that adds it itself (the
-    fused activation folds it into its input loads).
+    fused activation folds it into its input loads). `residual`, where given, is
+    added to the output (the AMP block's skip connection).
+
+    With `fused` set (AuKVAE.use_fused_conv) a CUDA input runs through the Triton
+    kernel in fused_conv.py instead, which writes the causal output directly and
+    adds the residual in the same pass.
     """
 
-    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    fused = False
+
+    def forward(self, x: torch.Tensor, bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
         left = self.dilation[0] * (self.kernel_size[0] - 1)
         bias_term = self.bias if bias else None
+        if self.fused and x.is_cuda:
+            from .fused_conv import causal_conv1d, supports
+
+            if supports(x, self.weight, bias_term, residual):
+                return causal_conv1d(x, self.weight, bias_term, residual, self.dilation[0])
         if _is_channels_last(x):
             out = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias_term, 1, (0, left), (1, self.dilation[0]))
             out = out.squeeze(2)
         else:
             out = F.conv1d(x, self.weight, bias_term, 1, left, self.dilation[0])
-        return out[..., : x.shape[-1]] if left else out
+        out = out[..., : x.shape[-1]] if left else out
+        return out if residual is None else residual + out
 
 
 class CausalConvTranspose1d(nn.ConvTranspose1d):
@@ -102,7 +115,7 @@ class AMPBlock(nn.Module):
             # convs1's bias is added by the activation after it (the same fp32 add), so
             # the fused kernel can fold it into its loads instead of a pass of its own.
             h = c1(self.activations[2 * n](x), bias=False)
-            x = x + c2(self.activations[2 * n + 1](h, bias=c1.bias))
+            x = c2(self.activations[2 * n + 1](h, bias=c1.bias), residual=x)
         return x
 
 
@@ -293,6 +306,14 @@ class AuKVAE(nn.Module):
         for module in self.modules():
             if isinstance(module, Activation1d):
                 module.fused = bool(enabled)
+        return self
+
+    def use_fused_conv(self, enabled: bool = True, max_channels: int = 48) -> "AuKVAE":
+        """Run the AMP blocks' convolutions of at most `max_channels` channels with the Triton
+        kernel on CUDA (fused_conv.py), residual adds included; cuDNN runs the wider ones."""
+        for block in self.resblocks:
+            for conv in (*block.convs1, *block.convs2):
+                conv.fused = bool(enabled) and max(conv.in_channels, conv.out_channels) <= max_channels
         return self
 
     def use_channels_last(self, enabled: bool = True) -> "AuKVAE":

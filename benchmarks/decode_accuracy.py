@@ -57,6 +57,10 @@ def main() -> None:
             outputs["eager + fused activation, channels-last"] = channels_last.decode(clip)
             outputs["plain graph + fused activation, channels-last"] = AuKVAEDecodeGraph(
                 channels_last, compile_shapes=())(clip)
+            channels_last.use_fused_conv(True, max_channels=48)
+            outputs["eager + fused activation, channels-last, conv kernel up to 48 channels"] = (
+                channels_last.decode(clip))
+            channels_last.use_fused_conv(False)
         for name, out in outputs.items():
             print(f"| {seed} | {name} | {rel_l2(out, exact):.2e} | {rel_l2(out, eager):.2e} |", flush=True)
 

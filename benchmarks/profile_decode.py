@@ -55,13 +55,15 @@ def _bias_in_conv_block(self, x):
 class Variant:
     """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False):
+    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, conv_kernel=0):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
         self.channels_last = channels_last
+        self.conv_kernel = conv_kernel  # the Triton conv kernel up to this many channels; 0: cuDNN everywhere
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
         vae.use_channels_last(self.channels_last)
+        vae.use_fused_conv(self.conv_kernel > 0, max_channels=self.conv_kernel)
 
     def __enter__(self):
         self.saved = (CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark)
@@ -81,6 +83,10 @@ VARIANTS = [
     Variant("fused activation", fused=True),
     Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
     Variant("fused activation, channels-last decode", fused=True, channels_last=True),
+    Variant("fused activation, channels-last, conv kernel up to 48 channels", fused=True, channels_last=True,
+            conv_kernel=48),
+    Variant("fused activation, channels-last, conv kernel up to 96 channels", fused=True, channels_last=True,
+            conv_kernel=96),
 ]
 
 
@@ -305,6 +311,7 @@ def main() -> None:
                 groups = collections.Counter()
                 for name, us in by_kernel.items():
                     group = ("fused activation" if "fused_activation" in name else
+                             "conv kernel (Triton)" if "causal_conv1d" in name else
                              "inductor pointwise/reduction" if name.startswith("triton_") else
                              "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
                              "other")
