@@ -259,7 +259,7 @@ def decode_part(args) -> None:
         if args.first_windows:
             first_windows(graphs[True], vae, args)
             if "channels-last" in graphs:
-                first_windows(graphs["channels-last"], vae, args)
+                first_windows(graphs["channels-last"], vae, args, "fused activation, channels-last")
 
         if args.max_autotune:
             vae.use_fused_activation(False)
@@ -276,12 +276,12 @@ def decode_part(args) -> None:
     )
 
 
-def first_windows(graph: AuKVAEDecodeGraph, vae: AuKVAE, args) -> None:
+def first_windows(graph: AuKVAEDecodeGraph, vae: AuKVAE, args, label: str = "fused activation") -> None:
     """Time to the first tile of a long clip, in process, per first window (0: none), with
     each tile copied to the host as the served model does; the same compiled buckets."""
     frames = round(args.long_seconds * vae.sample_rate / vae.hop_size)
     clip = torch.randn(1, frames, vae.latent_dim, device="cuda")
-    say(f"\n## First tile of a {args.long_seconds:g} s clip ({frames} frames), fused activation, "
+    say(f"\n## First tile of a {args.long_seconds:g} s clip ({frames} frames), {label}, "
         f"compiled buckets {list(graph.compile_shapes)} (ms, medians of {args.iters})\n")
     say("| first window | first tile ms | total ms | tiles |")
     say("| --- | --- | --- | --- |")
