@@ -120,37 +120,34 @@ def _snake_params(alpha_ptr, beta_ptr, c, LOGSCALE: tl.constexpr, PRECISE: tl.co
 
 
 @triton.jit
+def _upsample_taps(up_ptr):
+    """The upsampler's taps f[0..11] times its gain of 2 (exact: a power of two)."""
+    return (
+        tl.load(up_ptr + 0) * 2.0, tl.load(up_ptr + 1) * 2.0, tl.load(up_ptr + 2) * 2.0, tl.load(up_ptr + 3) * 2.0,
+        tl.load(up_ptr + 4) * 2.0, tl.load(up_ptr + 5) * 2.0, tl.load(up_ptr + 6) * 2.0, tl.load(up_ptr + 7) * 2.0,
+        tl.load(up_ptr + 8) * 2.0, tl.load(up_ptr + 9) * 2.0, tl.load(up_ptr + 10) * 2.0, tl.load(up_ptr + 11) * 2.0,
+    )
+
+
+@triton.jit
+def _lowpass_taps(down_ptr):
+    """The low-pass taps g[0..11]."""
+    return (
+        tl.load(down_ptr + 0), tl.load(down_ptr + 1), tl.load(down_ptr + 2), tl.load(down_ptr + 3),
+        tl.load(down_ptr + 4), tl.load(down_ptr + 5), tl.load(down_ptr + 6), tl.load(down_ptr + 7),
+        tl.load(down_ptr + 8), tl.load(down_ptr + 9), tl.load(down_ptr + 10), tl.load(down_ptr + 11),
+    )
+
+
+@triton.jit
 def _upsample_snake_lowpass(
     xm3, xm2, xm1, x0, xp1, xp2, qa, last, p, alpha, inv_beta, up_ptr, down_ptr,
     BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """The activation of one tile from x[qa - 3 .. qa + 2] (index-clamped) at every lane p;
     valid for lanes p < BLOCK - 8 (the rest only feed the shifts)."""
-    # Upsampling taps f[0..11] times the gain of 2 (exact: a power of two), low-pass taps g[0..11].
-    f0 = tl.load(up_ptr + 0) * 2.0
-    f1 = tl.load(up_ptr + 1) * 2.0
-    f2 = tl.load(up_ptr + 2) * 2.0
-    f3 = tl.load(up_ptr + 3) * 2.0
-    f4 = tl.load(up_ptr + 4) * 2.0
-    f5 = tl.load(up_ptr + 5) * 2.0
-    f6 = tl.load(up_ptr + 6) * 2.0
-    f7 = tl.load(up_ptr + 7) * 2.0
-    f8 = tl.load(up_ptr + 8) * 2.0
-    f9 = tl.load(up_ptr + 9) * 2.0
-    f10 = tl.load(up_ptr + 10) * 2.0
-    f11 = tl.load(up_ptr + 11) * 2.0
-    g0 = tl.load(down_ptr + 0)
-    g1 = tl.load(down_ptr + 1)
-    g2 = tl.load(down_ptr + 2)
-    g3 = tl.load(down_ptr + 3)
-    g4 = tl.load(down_ptr + 4)
-    g5 = tl.load(down_ptr + 5)
-    g6 = tl.load(down_ptr + 6)
-    g7 = tl.load(down_ptr + 7)
-    g8 = tl.load(down_ptr + 8)
-    g9 = tl.load(down_ptr + 9)
-    g10 = tl.load(down_ptr + 10)
-    g11 = tl.load(down_ptr + 11)
+    f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11 = _upsample_taps(up_ptr)
+    g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11 = _lowpass_taps(down_ptr)
 
     # Polyphase upsampler, then SnakeBeta.
     ue = f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3
@@ -298,30 +295,8 @@ def _fused_activation_channels_last_kernel(
         bias = 0.0
     last = L - 1
 
-    f0 = tl.load(up_ptr + 0) * 2.0
-    f1 = tl.load(up_ptr + 1) * 2.0
-    f2 = tl.load(up_ptr + 2) * 2.0
-    f3 = tl.load(up_ptr + 3) * 2.0
-    f4 = tl.load(up_ptr + 4) * 2.0
-    f5 = tl.load(up_ptr + 5) * 2.0
-    f6 = tl.load(up_ptr + 6) * 2.0
-    f7 = tl.load(up_ptr + 7) * 2.0
-    f8 = tl.load(up_ptr + 8) * 2.0
-    f9 = tl.load(up_ptr + 9) * 2.0
-    f10 = tl.load(up_ptr + 10) * 2.0
-    f11 = tl.load(up_ptr + 11) * 2.0
-    g0 = tl.load(down_ptr + 0)
-    g1 = tl.load(down_ptr + 1)
-    g2 = tl.load(down_ptr + 2)
-    g3 = tl.load(down_ptr + 3)
-    g4 = tl.load(down_ptr + 4)
-    g5 = tl.load(down_ptr + 5)
-    g6 = tl.load(down_ptr + 6)
-    g7 = tl.load(down_ptr + 7)
-    g8 = tl.load(down_ptr + 8)
-    g9 = tl.load(down_ptr + 9)
-    g10 = tl.load(down_ptr + 10)
-    g11 = tl.load(down_ptr + 11)
+    f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11 = _upsample_taps(up_ptr)
+    g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11 = _lowpass_taps(down_ptr)
 
     # The activated signal's replicate padding: s[negative] = E[0], and (centred) s[past 2L-1] = O[L-1].
     x_first = tl.load(x_row, mask=live, other=0.0) + bias

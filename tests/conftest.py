@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -327,3 +328,23 @@ def reference_vae(small_checkpoint):
     from auk_triton.vae import AuKVAE
 
     return AuKVAE.from_pretrained(small_checkpoint)
+
+
+def run_in_triton_interpreter(script: str) -> dict:
+    """Run `script --interpreter` with TRITON_INTERPRET=1 in a subprocess (the variable must be
+    set before triton is imported) and return the JSON result lines it prints, by "id"."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, script, "--interpreter"], env=env, capture_output=True, text=True, timeout=1800
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result["id"]] = result
+    if proc.returncode != 0 or not results:
+        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return results

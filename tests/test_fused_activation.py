@@ -24,14 +24,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-3
 EDGE = 24  # output samples checked separately at each clip edge
@@ -183,23 +181,7 @@ def interpreter_results():
         pytest.skip("CUDA is available: the kernel is tested on the GPU instead of the interpreter")
     if not HAS_TRITON:
         pytest.skip("triton is not installed (CPU torch wheels do not ship it): the fused kernel is untested here")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreter"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            result = json.loads(line)
-            results[result["id"]] = result
-    if proc.returncode != 0 or not results:
-        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return results
+    return run_in_triton_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=_case_id)
