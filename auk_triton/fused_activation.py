@@ -385,17 +385,21 @@ def is_channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1
 
 
-def layout_strides(x: torch.Tensor) -> tuple[int, int, int]:
-    """The strides of the kernels' output for x: channels-last where x is, else contiguous [B, C, L]."""
-    batch, channels, length = x.shape
+def layout_strides(x: torch.Tensor, channels: int | None = None) -> tuple[int, int, int]:
+    """Strides of a kernel's [B, channels, L] output for input x (channels: x's by default):
+    channels-last where x is, else contiguous."""
+    channels = x.shape[1] if channels is None else channels
+    length = x.shape[2]
     if is_channels_last(x):
         return (length * channels, 1, channels)
     return (channels * length, length, 1)
 
 
-def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
-    """A new float32 tensor of x's shape and `layout_strides(x)`."""
-    return torch.empty_strided(tuple(x.shape), layout_strides(x), device=x.device, dtype=torch.float32)
+def empty_like_layout(x: torch.Tensor, channels: int | None = None) -> torch.Tensor:
+    """A new float32 [B, channels, L] tensor (channels: x's by default) in x's layout (`layout_strides`)."""
+    channels = x.shape[1] if channels is None else channels
+    shape = (x.shape[0], channels, x.shape[2])
+    return torch.empty_strided(shape, layout_strides(x, channels), device=x.device, dtype=torch.float32)
 
 
 def _launch(

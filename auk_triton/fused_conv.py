@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_activation import _interpreting
+from .fused_activation import _interpreting, empty_like_layout
 
 # Block sizes by the widest of in/out channels: (max channels, BLOCK_CO, BLOCK_CI, BLOCK_T, warps, stages).
 # The first row whose channel limit covers the convolution is used; the benchmark sweeps them.
@@ -132,14 +132,6 @@ def launch_config(c_in: int, c_out: int) -> tuple[int, int, int, int, int]:
     raise AssertionError("LAUNCH's last row covers every width")
 
 
-def output_strides(x: torch.Tensor, c_out: int) -> tuple[int, int, int]:
-    """Strides of the [B, c_out, L] output: channels-last where x is (channels adjacent), else contiguous."""
-    length = x.shape[2]
-    if x.shape[1] > 1 and x.stride(1) == 1:
-        return (length * c_out, 1, c_out)
-    return (c_out * length, length, 1)
-
-
 def _launch(y, x, weight, bias, residual, dilation: int, config=None, traceable: bool = True) -> None:
     """Write the causal convolution of x (+ bias, + residual) into y ([B, C_out, L], any strides)."""
     batch, c_in, length = x.shape
@@ -173,8 +165,7 @@ def causal_conv1d_op(
 ) -> torch.Tensor:
     """Causal Conv1d of x [B, C_in, L] (any strides) with weight [C_out, C_in, K], plus bias
     [C_out] and residual [B, C_out, L] where given -> a new [B, C_out, L] in x's layout."""
-    shape = (x.shape[0], weight.shape[0], x.shape[2])
-    y = torch.empty_strided(shape, output_strides(x, weight.shape[0]), device=x.device, dtype=torch.float32)
+    y = empty_like_layout(x, weight.shape[0])
     _launch(y, x, weight, bias, residual, dilation)
     return y
 
@@ -220,7 +211,7 @@ def causal_conv1d(
         return causal_conv1d_op(x, weight, bias, residual, int(dilation))
     shape = (x.shape[0], weight.shape[0], x.shape[2])
     if out is None:
-        out = torch.empty_strided(shape, output_strides(x, weight.shape[0]), device=x.device, dtype=torch.float32)
+        out = empty_like_layout(x, weight.shape[0])
     elif tuple(out.shape) != shape or out.dtype != torch.float32:
         raise ValueError(f"out must be a float32 tensor of shape {list(shape)}")
     _launch(out, x, weight, bias, residual, int(dilation), config=config, traceable=False)

@@ -225,19 +225,21 @@ def decode_part(args) -> None:
             row(f"plain CUDA graph{' + fused' if fused else ''}", plain)
             del plain
 
-        graphs = {}
-        for fused in (False, True):
-            vae.use_fused_activation(fused)
+        def compiled_row(codec: AuKVAE, label: str) -> AuKVAEDecodeGraph:
+            """Build the compiled buckets of `codec`, time them as one row, and return them."""
             began = time.perf_counter()
-            graph = AuKVAEDecodeGraph(vae, compile_shapes=args.buckets)
+            graph = AuKVAEDecodeGraph(codec, compile_shapes=args.buckets)
             graph.warmup("cuda")
             build = time.perf_counter() - began
             missing = [b for b in args.buckets if graph.compiled_bucket(b) != b]
-            name = f"compiled buckets {list(args.buckets)}{' + fused' if fused else ''}"
-            if missing:
-                name += f" (buckets {missing} FAILED)"
-            row(name, graph, build)
-            graphs[fused] = graph
+            name = f"compiled buckets {list(args.buckets)}{label}"
+            row(name + (f" (buckets {missing} FAILED)" if missing else ""), graph, build)
+            return graph
+
+        graphs = {}
+        for fused in (False, True):
+            vae.use_fused_activation(fused)
+            graphs[fused] = compiled_row(vae, " + fused" if fused else "")
 
         if args.channels_last:
             # A second codec: converting weights moves them, and the graphs above hold their addresses.
@@ -247,14 +249,7 @@ def decode_part(args) -> None:
             plain = AuKVAEDecodeGraph(vae_cl, compile_shapes=())
             row("plain CUDA graph + fused, channels-last", plain)
             del plain
-            began = time.perf_counter()
-            graph = AuKVAEDecodeGraph(vae_cl, compile_shapes=args.buckets)
-            graph.warmup("cuda")
-            build = time.perf_counter() - began
-            missing = [b for b in args.buckets if graph.compiled_bucket(b) != b]
-            name = f"compiled buckets {list(args.buckets)} + fused, channels-last"
-            row(name + (f" (buckets {missing} FAILED)" if missing else ""), graph, build)
-            graphs["channels-last"] = graph
+            graphs["channels-last"] = compiled_row(vae_cl, " + fused, channels-last")
 
         if args.first_windows:
             first_windows(graphs[True], vae, args)

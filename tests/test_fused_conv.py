@@ -78,7 +78,8 @@ def reference(x, weight, bias, residual, dilation):
 
 
 def run_case(case, device: str, seed: int, tf32: bool) -> dict:
-    from auk_triton.fused_conv import causal_conv1d, output_strides
+    from auk_triton.fused_activation import empty_like_layout, layout_strides
+    from auk_triton.fused_conv import causal_conv1d
 
     batch, c_in, c_out, length, kernel, dilation, layout, with_bias, with_residual = case
     generator = torch.Generator().manual_seed(seed)
@@ -99,8 +100,7 @@ def run_case(case, device: str, seed: int, tf32: bool) -> dict:
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = tf32
     try:
-        shape = (batch, c_out, length)
-        poisoned = torch.empty_strided(shape, output_strides(x, c_out), device=device).fill_(float("nan"))
+        poisoned = empty_like_layout(x, c_out).fill_(float("nan"))
         with torch.no_grad():
             written = causal_conv1d(x, weight, bias, residual, dilation, out=poisoned)
             op_out = causal_conv1d(x, weight, bias, residual, dilation)
@@ -110,7 +110,7 @@ def run_case(case, device: str, seed: int, tf32: bool) -> dict:
         "id": _case_id(case) + ("-tf32x3" if tf32 else "-fp32"),
         "finite": bool(torch.isfinite(written).all()),
         "op_equal": bool(torch.equal(op_out, written)),
-        "layout_kept": op_out.stride() == output_strides(x, c_out),
+        "layout_kept": op_out.stride() == layout_strides(x, c_out),
         "rel_l2": _rel_l2(written, reference(x, weight, bias, residual, dilation)),
     }
 
