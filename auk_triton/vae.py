@@ -62,41 +62,63 @@ class CausalConv1d(nn.Conv1d):
     L + left); its consumers read strided rows.
 
     `bias=False` leaves the bias out, for a consumer that adds it itself (the
-    fused activation folds it into its input loads). `residual`, where given, is
-    added to the output (the AMP block's skip connection).
-
-    With `fused` set (AuKVAE.use_fused_conv) a CUDA input runs through the Triton
-    kernel in fused_conv.py instead, which writes the causal output directly and
-    adds the residual in the same pass.
+    fused activation folds it into its input loads).
     """
 
-    fused = False
-
-    def forward(self, x: torch.Tensor, bias: bool = True, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         left = self.dilation[0] * (self.kernel_size[0] - 1)
         bias_term = self.bias if bias else None
-        if self.fused and x.is_cuda:
-            from .fused_conv import causal_conv1d, supports
-
-            if supports(x, self.weight, bias_term, residual):
-                return causal_conv1d(x, self.weight, bias_term, residual, self.dilation[0])
         if _is_channels_last(x):
             out = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias_term, 1, (0, left), (1, self.dilation[0]))
             out = out.squeeze(2)
         else:
             out = F.conv1d(x, self.weight, bias_term, 1, left, self.dilation[0])
-        out = out[..., : x.shape[-1]] if left else out
-        return out if residual is None else residual + out
+        return out[..., : x.shape[-1]] if left else out
 
 
 class CausalConvTranspose1d(nn.ConvTranspose1d):
-    """ConvTranspose1d(kernel 2r, stride r) that drops its last r outputs: length grows r-fold."""
+    """ConvTranspose1d(kernel 2r, stride r) that drops its last r outputs: length grows r-fold.
+
+    On a channels-last signal the upsampler can run in its polyphase form
+    (`build_polyphase`, called by AuKVAE.use_channels_last): output sample r*t + p is
+    W[:, :, p]^T x[t] + W[:, :, r + p]^T x[t - 1], so one ordinary convolution of
+    kernel 2 from C_in to r * C_out channels computes all r phases of frame t, and
+    its channels-last output [t][p][c] already is the upsampled signal's memory
+    [r*t + p][c]: a view, no shuffle. cuDNN runs that convolution as an NHWC
+    implicit GEMM; the transposed convolution goes through a slower dgrad kernel.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Derived from `weight` and `bias` by build_polyphase; not part of the checkpoint.
+        self.register_buffer("polyphase_weight", None, persistent=False)
+        self.register_buffer("polyphase_bias", None, persistent=False)
+
+    def build_polyphase(self) -> None:
+        """polyphase_weight [r*C_out, C_in, 1, 2] (channels-last) and polyphase_bias (the bias
+        repeated r times) from this layer's current weights."""
+        rate = self.stride[0]
+        c_in, c_out, _ = self.weight.shape
+        # weight[i, o, m*r + p] -> polyphase_weight[p*C_out + o, i, 0, 1 - m] (tap 0 multiplies x[t - 1]).
+        taps = self.weight.detach().reshape(c_in, c_out, 2, rate).permute(3, 1, 0, 2).flip(-1)
+        self.polyphase_weight = taps.reshape(rate * c_out, c_in, 1, 2).contiguous(memory_format=torch.channels_last)
+        self.polyphase_bias = None if self.bias is None else self.bias.detach().repeat(rate)
+
+    def drop_polyphase(self) -> None:
+        self.polyphase_weight = self.polyphase_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rate = self.stride[0]
         if _is_channels_last(x):
-            out = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]))
-            return out.squeeze(2)[..., : -self.stride[0]]
-        return super().forward(x)[..., : -self.stride[0]]
+            if self.polyphase_weight is not None:
+                batch, _, length = x.shape
+                phases = F.conv2d(x.unsqueeze(2), self.polyphase_weight, self.polyphase_bias, 1, (0, 1))
+                phases = phases.squeeze(2)[..., :length]
+                frames = phases.permute(0, 2, 1).reshape(batch, length * rate, self.out_channels)
+                return frames.permute(0, 2, 1)
+            out = F.conv_transpose2d(x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, (1, rate))
+            return out.squeeze(2)[..., :-rate]
+        return super().forward(x)[..., :-rate]
 
 
 class AMPBlock(nn.Module):
@@ -115,7 +137,7 @@ class AMPBlock(nn.Module):
             # convs1's bias is added by the activation after it (the same fp32 add), so
             # the fused kernel can fold it into its loads instead of a pass of its own.
             h = c1(self.activations[2 * n](x), bias=False)
-            x = c2(self.activations[2 * n + 1](h, bias=c1.bias), residual=x)
+            x = x + c2(self.activations[2 * n + 1](h, bias=c1.bias))
         return x
 
 
@@ -308,14 +330,6 @@ class AuKVAE(nn.Module):
                 module.fused = bool(enabled)
         return self
 
-    def use_fused_conv(self, enabled: bool = True, max_channels: int = 48) -> "AuKVAE":
-        """Run the AMP blocks' convolutions of at most `max_channels` channels with the Triton
-        kernel on CUDA (fused_conv.py), residual adds included; cuDNN runs the wider ones."""
-        for block in self.resblocks:
-            for conv in (*block.convs1, *block.convs2):
-                conv.fused = bool(enabled) and max(conv.in_channels, conv.out_channels) <= max_channels
-        return self
-
     def use_channels_last(self, enabled: bool = True) -> "AuKVAE":
         """Run the decoder on channels-last signals: [B, C, L] tensors over [B, L, C] memory.
 
@@ -323,7 +337,8 @@ class AuKVAE(nn.Module):
         signals they transpose every input and output (about a fifth of a compiled
         512-frame decode on an H200). Storing the decoder's weights channels-last
         and converting the signal once after `conv_pre` keeps every convolution,
-        transposed convolution, residual add and fused activation in that layout.
+        upsampler (in its polyphase form, built here from the current weights),
+        residual add and fused activation in that layout.
         The weights keep their values, only their strides change; decodes differ
         at rounding level, where other convolution algorithms run.
         """
@@ -334,6 +349,11 @@ class AuKVAE(nn.Module):
                 if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)):
                     weight = module.weight.detach()
                     module.weight.data = _channels_last(weight) if enabled else weight.contiguous()
+        for up in self.ups:
+            if enabled:
+                up[0].build_polyphase()
+            else:
+                up[0].drop_polyphase()
         return self
 
     # ---- geometry ------------------------------------------------------------------------

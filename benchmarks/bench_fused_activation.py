@@ -35,12 +35,14 @@ Run (H200, ~3-4 minutes: two Inductor compiles of the 512-frame bucket):
 
 Options: --buckets 128 512 (compile the 128 bucket too, ~+80 s), --max-autotune
 (torch.compile(mode="max-autotune") of the eager decode at 512 frames, minutes),
---skip-decode (per-shape part only), --skip-per-shape, --first-windows 0 64 128
+--skip-decode (per-shape part only), --skip-per-shape, --sines (per shape, each
+way of evaluating sin^2 with its distance from eager), --first-windows 0 64 128
 (time to the first tile of a 60 s clip per first window, with the fused compiled
 buckets; each window must be one of --buckets).
 """
 
 import argparse
+import collections
 import datetime
 import sys
 import tempfile
@@ -184,6 +186,53 @@ def per_shape(copy_bw: float) -> None:
     say(f"Using launch {chosen[0]}/{chosen[1]}w for the decode below.")
 
 
+def sine_table() -> None:
+    """Per shape: both kernels with each way of evaluating sin^2 (fa.SINE_METHODS), the sliding
+    kernel at chunks of 16 and 32, and each method's distance from the eager module."""
+    say("\n## sin^2 per method, one activation per shape (us per launch; rel. L2 vs eager)\n")
+    methods = list(fa.SINE_METHODS)
+    columns = [("tiled", None)] + [("sliding", chunk) for chunk in (16, 32)]
+    say("| C @ L | eager us | " + " | ".join(
+        f"{kind}{f' chunk {chunk}' if chunk else ''}: {method}" for kind, chunk in columns for method in methods)
+        + " | " + " | ".join(f"rel. L2 {method}" for method in methods) + " |")
+    say("|" + " --- |" * (2 + len(columns) * len(methods) + len(methods)))
+    saved_sine, saved_launch = fa.SINE, dict(fa.CHANNELS_LAST_LAUNCH)
+    totals = collections.Counter()
+    for channels, length, count in SHAPES_512:
+        torch.manual_seed(channels)
+        act = Activation1d(channels).cuda().requires_grad_(False)
+        act.act.alpha.normal_(0, 0.5)
+        act.act.beta.normal_(0, 0.5)
+        nbytes = 2 * channels * length * 4
+        copies = max(2, -(-3 * L2_BYTES // nbytes))
+        first = [torch.randn(1, channels, length, device="cuda") for _ in range(copies)]
+        last = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in first]
+        act.fused = False
+        with torch.no_grad():
+            reference = act(first[0])
+        cells = [f"{graph_us([lambda x=x: act(x) for x in first]):.1f}"]
+        errors = {}
+        for kind, chunk in columns:
+            buffers = first if kind == "tiled" else last
+            outs = [fa.empty_like_layout(x) for x in buffers]
+            if chunk:
+                fa.CHANNELS_LAST_LAUNCH.update(chunk=chunk)
+            for method in methods:
+                fa.SINE = method
+                us = graph_us([lambda x=x, y=y: fa.fused_activation(x, act, out=y) for x, y in zip(buffers, outs)])
+                totals[(kind, chunk, method)] += count * us
+                cells.append(f"{us:.1f}")
+                error = ((outs[0] - reference).double().norm() / reference.double().norm()).item()
+                errors[method] = max(errors.get(method, 0.0), error)
+            del outs
+        fa.SINE = saved_sine
+        fa.CHANNELS_LAST_LAUNCH.update(saved_launch)
+        cells += [f"{errors[method]:.1e}" for method in methods]
+        say(f"| {channels} @ {length} | " + " | ".join(cells) + " |")
+    say("\nAll 109 activations of a 512-frame decode (ms): " + ", ".join(
+        f"{kind}{f' chunk {chunk}' if chunk else ''} {method} {us / 1e3:.2f}" for (kind, chunk, method), us in totals.items()))
+
+
 def decode_part(args) -> None:
     torch.manual_seed(0)
     directory = write_synthetic_checkpoint(tempfile.mkdtemp(prefix="auk-bench-fused-"), "auk")
@@ -311,6 +360,8 @@ def main() -> None:
     parser.add_argument("--long-seconds", type=float, default=60.0)
     parser.add_argument("--channels-last", action="store_true",
                         help="also the decode on channels-last signals (eager, plain graph, compiled buckets)")
+    parser.add_argument("--sines", action="store_true",
+                        help="per shape, each way of evaluating sin^2 (fused_activation.SINE_METHODS)")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-per-shape", action="store_true")
     args = parser.parse_args()
@@ -323,6 +374,8 @@ def main() -> None:
     began = time.perf_counter()
     bw = copy_bandwidth()
     say(f"\nDevice-to-device copy: {bw / 1e9:.0f} GB/s (read + write).")
+    if args.sines:
+        sine_table()
     if not args.skip_per_shape:
         per_shape(bw)
     say(f"\n(per-shape part: {time.perf_counter() - began:.0f} s)")

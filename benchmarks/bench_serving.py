@@ -67,33 +67,46 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
+def check_latents(seconds: float) -> np.ndarray:
+    """The latents every request of a cell sends (seeded), [frames, 64]."""
+    return np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
+
+
 def in_process(
-    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, pcm16: bool = False
-) -> dict:
-    """Median (first tile ms, total ms) per clip length, tiles copied to host as the model does
-    (`pcm16`: converted to int16 on the device first, as for WAVEFORM_PCM16)."""
+    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, formats, check_seconds: float
+) -> tuple[dict, dict]:
+    """Per format, median (first tile ms, total ms) per clip length, tiles copied to host as the model
+    does (pcm16: converted to int16 on the device first, as for WAVEFORM_PCM16); and per format the
+    stitched waveform of `check_latents(check_seconds)`, to compare the server's with."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
     graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames or None)
-    graph.warmup(device)
-    results = {}
-    for seconds in seconds_list:
-        latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device=device)
-        firsts, totals = [], []
-        for rep in range(reps + 2):
-            sync()
-            began = time.perf_counter()
-            first = None
-            # The model's own loop: tiles to (pinned) host memory, the next launched first on a GPU.
-            for _ in graph.host_tiles(latents, to_pcm16 if pcm16 else None, look_ahead=cuda):
-                if first is None:
-                    first = time.perf_counter() - began
-            total = time.perf_counter() - began
-            if rep >= 2:
-                firsts.append(first * 1e3)
-                totals.append(total * 1e3)
-        results[seconds] = (statistics.median(firsts), statistics.median(totals))
+    graph.warmup(device, on_bucket=lambda frames, seconds, ok: print(
+        f"in-process bucket {frames} frames: {'built' if ok else 'FAILED'} in {seconds:.0f} s", flush=True))
+    results, references = {}, {}
+    for fmt in formats:
+        convert = to_pcm16 if fmt == "pcm16" else None
+        results[fmt] = {}
+        for seconds in seconds_list:
+            latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device=device)
+            firsts, totals = [], []
+            for rep in range(reps + 2):
+                sync()
+                began = time.perf_counter()
+                first = None
+                # The model's own loop: tiles to (pinned) host memory, the next launched first on a GPU.
+                for _ in graph.host_tiles(latents, convert, look_ahead=cuda):
+                    if first is None:
+                        first = time.perf_counter() - began
+                total = time.perf_counter() - began
+                if rep >= 2:
+                    firsts.append(first * 1e3)
+                    totals.append(total * 1e3)
+            results[fmt][seconds] = (statistics.median(firsts), statistics.median(totals))
+        latents = torch.from_numpy(check_latents(check_seconds))[None].to(device)
+        tiles = list(graph.host_tiles(latents, convert))
+        references[fmt] = torch.cat([tile.samples for tile in tiles]).numpy()
     one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device=device)
     tile_times = []
     for _ in range(20 if cuda else 4):
@@ -101,11 +114,30 @@ def in_process(
         began = time.perf_counter()
         graph(one_tile).cpu()
         tile_times.append((time.perf_counter() - began) * 1e3)
-    results["one_tile_ms"] = statistics.median(tile_times[len(tile_times) // 4:])
+    one_tile_ms = statistics.median(tile_times[len(tile_times) // 4:])
+    for fmt in formats:
+        results[fmt]["one_tile_ms"] = one_tile_ms
     del graph, vae
     if cuda:
         torch.cuda.empty_cache()
-    return results
+    return results, references
+
+
+def check_served(url: str, seconds: float, references: dict) -> None:
+    """One streamed request per format with `check_latents(seconds)`: the served samples against
+    the in-process ones (the same compiled decode in another process)."""
+    from auk_client.stream import stream_decode
+
+    for fmt, expected in references.items():
+        tiles = list(stream_decode(check_latents(seconds), url=url, pcm16=fmt == "pcm16"))
+        served = np.concatenate([tile.waveform for tile in tiles])
+        if served.shape != expected.shape:
+            print(f"served {fmt}: {served.size} samples, in-process {expected.size}", flush=True)
+            continue
+        diff = np.abs(served.astype(np.float64) - expected.astype(np.float64))
+        rel = np.linalg.norm(diff) / max(np.linalg.norm(expected.astype(np.float64)), 1e-30)
+        print(f"served vs in-process, {fmt}, {seconds:g} s clip, {len(tiles)} tiles: "
+              f"rel. L2 {rel:.1e}, max abs {diff.max():.3g}{' (int16 steps)' if fmt == 'pcm16' else ''}", flush=True)
 
 
 def free_port() -> int:
@@ -238,7 +270,7 @@ def ms(value) -> str:
 
 
 def load(url: str, seconds: float, concurrency: int, reps: int, waveform: str | None = None) -> dict:
-    latents = np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
+    latents = check_latents(seconds)
     start = server_stats(url)
     client_loop(url, latents, 2, [], threading.Barrier(1), waveform)  # warm the connection and the plain graphs
     before = stats_after(url, start, 2)  # the cell's statistics leave the warm-up out
@@ -313,10 +345,10 @@ def main() -> None:
     print(f"# AuK serving, {args.preset} (synthetic), {where}, torch {torch.__version__}, "
           f"{datetime.date.today()}", flush=True)
 
-    local = {}
+    check_seconds = max(args.seconds)
+    local, references = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device,
+                                   args.formats, check_seconds)
     for fmt in args.formats:
-        local[fmt] = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device,
-                                pcm16=fmt == "pcm16")
         print(f"in-process, {fmt}: one {512}-frame tile {local[fmt]['one_tile_ms']:.2f} ms", flush=True)
         for seconds in args.seconds:
             print(f"in-process, {fmt}, {seconds:g} s: first tile {local[fmt][seconds][0]:.2f} ms, "
@@ -326,6 +358,7 @@ def main() -> None:
     process, url, http_url = start_server(checkpoint, cache, Path(args.log), models,
                                           device="gpu" if args.device == "cuda" else "cpu")
     try:
+        check_served(url, check_seconds, references)
         print("| format | audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s "
               "| in-process total ms |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)

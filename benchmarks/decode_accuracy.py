@@ -16,6 +16,7 @@ import tempfile
 
 import torch
 
+from auk_triton import fused_activation as fa
 from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AuKVAE
@@ -57,10 +58,10 @@ def main() -> None:
             outputs["eager + fused activation, channels-last"] = channels_last.decode(clip)
             outputs["plain graph + fused activation, channels-last"] = AuKVAEDecodeGraph(
                 channels_last, compile_shapes=())(clip)
-            channels_last.use_fused_conv(True, max_channels=48)
-            outputs["eager + fused activation, channels-last, conv kernel up to 48 channels"] = (
-                channels_last.decode(clip))
-            channels_last.use_fused_conv(False)
+            for sine in fa.SINE_METHODS:
+                saved_sine, fa.SINE = fa.SINE, sine
+                outputs[f"eager + fused activation ({sine} sine), channels-last"] = channels_last.decode(clip)
+                fa.SINE = saved_sine
         for name, out in outputs.items():
             print(f"| {seed} | {name} | {rel_l2(out, exact):.2e} | {rel_l2(out, eager):.2e} |", flush=True)
 

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from auk_triton import fused_activation as fa
 from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
@@ -53,40 +54,53 @@ def _bias_in_conv_block(self, x):
 
 
 class Variant:
-    """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark."""
+    """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark (and its
+    algorithm limit), layout, how the fused kernel evaluates sin^2 (fused_activation.SINE_METHODS;
+    None: the default), and whether channels-last upsamplers run in their polyphase form."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, conv_kernel=0):
+    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, sine=None,
+                 polyphase=True, cudnn_benchmark_limit=None):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
-        self.channels_last = channels_last
-        self.conv_kernel = conv_kernel  # the Triton conv kernel up to this many channels; 0: cuDNN everywhere
+        self.channels_last, self.sine = channels_last, sine
+        self.polyphase, self.cudnn_benchmark_limit = polyphase, cudnn_benchmark_limit
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
         vae.use_channels_last(self.channels_last)
-        vae.use_fused_conv(self.conv_kernel > 0, max_channels=self.conv_kernel)
+        if not self.polyphase:
+            for up in vae.ups:
+                up[0].drop_polyphase()
 
     def __enter__(self):
-        self.saved = (CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark)
+        cudnn = torch.backends.cudnn
+        self.saved = (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE)
         if self.padded_convs:
             CausalConv1d.forward, AMPBlock.forward = _padded_causal_conv, _bias_in_conv_block
-        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        cudnn.benchmark = self.cudnn_benchmark
+        if self.cudnn_benchmark_limit is not None:
+            cudnn.benchmark_limit = self.cudnn_benchmark_limit
+        fa.SINE = self.sine or fa.SINE
         return self
 
     def __exit__(self, *exc):
-        CausalConv1d.forward, AMPBlock.forward, torch.backends.cudnn.benchmark = self.saved
+        cudnn = torch.backends.cudnn
+        CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE = self.saved
 
 
+DEFAULT_CHANNELS_LAST = f"fused activation ({fa.SINE} sine), channels-last, polyphase upsamplers: the default"
 VARIANTS = [
     Variant("eager activations, padded-copy convs (before)", fused=False, padded_convs=True),
     Variant("eager activations", fused=False),
     Variant("fused activation, padded-copy convs", fused=True, padded_convs=True),
     Variant("fused activation", fused=True),
     Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
-    Variant("fused activation, channels-last decode", fused=True, channels_last=True),
-    Variant("fused activation, channels-last, conv kernel up to 48 channels", fused=True, channels_last=True,
-            conv_kernel=48),
-    Variant("fused activation, channels-last, conv kernel up to 96 channels", fused=True, channels_last=True,
-            conv_kernel=96),
+    Variant(DEFAULT_CHANNELS_LAST, fused=True, channels_last=True),
+    Variant("the same, libdevice sinf", fused=True, channels_last=True, sine="libdevice"),
+    Variant("the same, sin.approx", fused=True, channels_last=True, sine="approx"),
+    Variant("the same + cudnn.benchmark", fused=True, channels_last=True, cudnn_benchmark=True),
+    Variant("the same, transposed-convolution upsamplers", fused=True, channels_last=True, polyphase=False),
+    Variant("the same + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True,
+            channels_last=True, cudnn_benchmark=True, cudnn_benchmark_limit=0),
 ]
 
 
@@ -311,7 +325,6 @@ def main() -> None:
                 groups = collections.Counter()
                 for name, us in by_kernel.items():
                     group = ("fused activation" if "fused_activation" in name else
-                             "conv kernel (Triton)" if "causal_conv1d" in name else
                              "inductor pointwise/reduction" if name.startswith("triton_") else
                              "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
                              "other")

@@ -205,6 +205,23 @@ def test_kernel_matches_eager_on_the_gpu(case):
         _check(run_case(case, "cuda", seed))
 
 
+SINE_CASES = [
+    (1, 96, 4099, "contiguous", True, True, False, True),
+    (1, 48, 20011, "transposed", True, True, False, True),
+    (2, 24, 1001, "transposed", False, False, True, False),
+]
+
+
+@gpu
+@pytest.mark.parametrize("method", ["libdevice", "polynomial", "approx"])
+@pytest.mark.parametrize("case", SINE_CASES, ids=_case_id)
+def test_every_way_of_evaluating_the_sine_matches_eager_on_the_gpu(monkeypatch, case, method):
+    from auk_triton import fused_activation
+
+    monkeypatch.setattr(fused_activation, "SINE", method)
+    _check(run_case(case, "cuda", 0))
+
+
 @gpu
 def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
     from auk_triton.activations import Activation1d

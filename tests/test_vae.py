@@ -213,3 +213,19 @@ def test_a_channels_last_decode_equals_the_channels_first_decode(small_dir):
         channels_last.use_channels_last(False)
         assert channels_last.resblocks[0].convs1[0].weight.is_contiguous()
         torch.testing.assert_close(channels_last.decode(latents), reference.decode(latents), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rate", [2, 3, 5])
+def test_the_polyphase_upsampler_equals_the_transposed_convolution(rate):
+    from auk_triton.vae import CausalConvTranspose1d
+
+    torch.manual_seed(rate)
+    up = CausalConvTranspose1d(12, 8, 2 * rate, stride=rate).requires_grad_(False)
+    x = torch.randn(2, 41, 12).transpose(1, 2)  # channels-last [B, C, L]
+    with torch.no_grad():
+        expected = up(x.contiguous())
+        up.build_polyphase()
+        actual = up(x)
+    assert actual.shape == (2, 8, 41 * rate)
+    assert actual.stride(1) == 1, "the polyphase output must stay channels-last"
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
