@@ -38,6 +38,22 @@ def median_ms(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def compile_time_breakdown(top: int = 16) -> str:
+    """The `top` longest phases of torch.compile in this process so far (Dynamo's cumulative
+    metrics: tracing, AOT, Inductor codegen, kernel compilation), to see where a build's time goes."""
+    from torch._dynamo.utils import compile_times
+
+    phases = []
+    for line in str(compile_times(repr="str", aggregate=True)).splitlines():
+        name, _, seconds = line.rpartition(",")
+        try:
+            phases.append((float(seconds), name.strip()))
+        except ValueError:  # the title and header lines
+            continue
+    phases.sort(reverse=True)
+    return "; ".join(f"{name} {seconds:.1f} s" for seconds, name in phases[:top])
+
+
 def measure(fn, iters: int) -> tuple[float, float, float]:
     """(median ms, peak MiB above what was allocated before, seconds of the first call)."""
     torch.cuda.synchronize()

@@ -30,12 +30,21 @@ Each cell runs once per sample format (`--formats`): float32 asks for all output
 (so WAVEFORM, as a client that names none), pcm16 names WAVEFORM_PCM16 and gets
 int16 samples, half the bytes; its in-process reference converts on the device
 before the copy to the host, as the model does.
+
+Before the cells, one request per format with the longest clip checks that the
+server's samples equal the in-process decode's. `--buckets` compiles fewer
+buckets, in process and in the server (a copy of `model_repository/` with those
+`compile_shapes`): `--buckets 32 512` serves a 10 s clip (one 512-frame window)
+and a 60 s clip's first audio (the 32-frame first window) as the default does,
+in half the warm-up.
 """
 
 import argparse
 import datetime
 import os
 import queue
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -53,6 +62,7 @@ from auk_triton.pcm16 import to_pcm16
 from auk_triton.server import server_command
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AuKVAE
+from bench_decode import compile_time_breakdown  # this folder is on sys.path when run as a script
 
 FRAMES_PER_SECOND = 50
 MODEL = "auk_vae_decode"
@@ -73,7 +83,8 @@ def check_latents(seconds: float) -> np.ndarray:
 
 
 def in_process(
-    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, formats, check_seconds: float
+    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, formats, check_seconds: float,
+    buckets=DEFAULT_COMPILE_SHAPES,
 ) -> tuple[dict, dict]:
     """Per format, median (first tile ms, total ms) per clip length, tiles copied to host as the model
     does (pcm16: converted to int16 on the device first, as for WAVEFORM_PCM16); and per format the
@@ -81,9 +92,11 @@ def in_process(
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
-    graph = AuKVAEDecodeGraph(vae, first_tile_frames=first_tile_frames or None)
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=tuple(buckets), first_tile_frames=first_tile_frames or None)
     graph.warmup(device, on_bucket=lambda frames, seconds, ok: print(
         f"in-process bucket {frames} frames: {'built' if ok else 'FAILED'} in {seconds:.0f} s", flush=True))
+    if cuda:
+        print(f"in-process compile phases: {compile_time_breakdown()}", flush=True)
     results, references = {}, {}
     for fmt in formats:
         convert = to_pcm16 if fmt == "pcm16" else None
@@ -117,6 +130,7 @@ def in_process(
     one_tile_ms = statistics.median(tile_times[len(tile_times) // 4:])
     for fmt in formats:
         results[fmt]["one_tile_ms"] = one_tile_ms
+        results[fmt]["tile_frames"] = graph.tile_frames
     del graph, vae
     if cuda:
         torch.cuda.empty_cache()
@@ -140,6 +154,21 @@ def check_served(url: str, seconds: float, references: dict) -> None:
               f"rel. L2 {rel:.1e}, max abs {diff.max():.3g}{' (int16 steps)' if fmt == 'pcm16' else ''}", flush=True)
 
 
+def model_repository_with_buckets(buckets, dest: Path) -> Path:
+    """A copy of model_repository/ whose decode models compile `buckets` (every config file of theirs)."""
+    source = Path(__file__).resolve().parent.parent / "model_repository"
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    shapes = ",".join(str(b) for b in buckets)
+    for model in (MODEL, OFFLINE_MODEL):
+        for config in (dest / model).glob("**/*.pbtxt"):
+            text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"', rf'\1"{shapes}"',
+                                  config.read_text())
+            if count != 1:
+                raise RuntimeError(f"no compile_shapes parameter in {config}")
+            config.write_text(text)
+    return dest
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -147,8 +176,9 @@ def free_port() -> int:
 
 
 def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
-                 device: str = "gpu"):
-    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) on the `device` config.
+                 device: str = "gpu", model_repository: Path | None = None):
+    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
+    (default: the project's) on the `device` config.
 
     Returns the process and the gRPC and HTTP addresses."""
     import tritonclient.grpc as grpcclient
@@ -156,7 +186,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
                AUK_MODELS=",".join(models))
-    argv, env = server_command(ports=ports, env=env, extra_args=["--exit-timeout-secs=5"])
+    argv, env = server_command(model_repository, ports=ports, env=env, extra_args=["--exit-timeout-secs=5"])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{ports['grpc']}"
@@ -330,8 +360,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, nargs="+", default=[2, 10, 60])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--reps", type=int, default=8, help="requests per client per cell")
-    parser.add_argument("--first-tile-frames", type=int, default=min(DEFAULT_COMPILE_SHAPES),
-                        help="the in-process first window, as the served default (the smallest bucket); 0: off")
+    parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_COMPILE_SHAPES),
+                        help="compiled buckets, in process and served (a copy of model_repository/ where they "
+                             "differ from its configs'); 32 512 cover a 10 s clip and a 60 s clip's first audio "
+                             "in half the warm-up time")
+    parser.add_argument("--first-tile-frames", type=int, default=None,
+                        help="the in-process first window (default: the smallest bucket, as served); 0: off")
     parser.add_argument("--formats", nargs="+", default=["float32", "pcm16"], choices=list(OUTPUTS),
                         help="sample formats to measure: float32 (WAVEFORM) and pcm16 (WAVEFORM_PCM16, half the bytes)")
     parser.add_argument("--perf-analyzer", default=None, help="a perf_analyzer binary: also run a short pass of it")
@@ -346,17 +380,22 @@ def main() -> None:
           f"{datetime.date.today()}", flush=True)
 
     check_seconds = max(args.seconds)
-    local, references = in_process(checkpoint, args.seconds, args.reps, args.first_tile_frames, args.device,
-                                   args.formats, check_seconds)
+    first_tile_frames = min(args.buckets) if args.first_tile_frames is None else args.first_tile_frames
+    local, references = in_process(checkpoint, args.seconds, args.reps, first_tile_frames, args.device,
+                                   args.formats, check_seconds, args.buckets)
     for fmt in args.formats:
-        print(f"in-process, {fmt}: one {512}-frame tile {local[fmt]['one_tile_ms']:.2f} ms", flush=True)
+        print(f"in-process, {fmt}: one {local[fmt]['tile_frames']}-frame tile {local[fmt]['one_tile_ms']:.2f} ms",
+              flush=True)
         for seconds in args.seconds:
             print(f"in-process, {fmt}, {seconds:g} s: first tile {local[fmt][seconds][0]:.2f} ms, "
                   f"total {local[fmt][seconds][1]:.2f} ms", flush=True)
 
     models = (MODEL, OFFLINE_MODEL) if args.perf_analyzer else (MODEL,)
+    repository = None
+    if tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
+        repository = model_repository_with_buckets(args.buckets, cache / "model_repository")
     process, url, http_url = start_server(checkpoint, cache, Path(args.log), models,
-                                          device="gpu" if args.device == "cuda" else "cpu")
+                                          device="gpu" if args.device == "cuda" else "cpu", model_repository=repository)
     try:
         check_served(url, check_seconds, references)
         print("| format | audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s "

@@ -30,7 +30,7 @@ from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
 from auk_triton.vae import AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
 
-from bench_decode import median_ms  # this folder is on sys.path when run as a script
+from bench_decode import compile_time_breakdown, median_ms  # this folder is on sys.path when run as a script
 
 
 def say(line: str = "") -> None:
@@ -320,6 +320,7 @@ def main() -> None:
                 measured[f"compiled bucket, {variant.name}"] = ms
                 say(f"\n### [{index}] {variant.name}: {ms:.2f} ms per replay, built in {build:.0f} s "
                     f"(rel. L2 vs eager {err:.1e})")
+                say(f"Compile phases so far (cumulative): {compile_time_breakdown()}")
                 _, by_kernel, count = profile_by_layer(vae, graph._compiled_decode, clip)
                 total = sum(by_kernel.values())
                 groups = collections.Counter()
