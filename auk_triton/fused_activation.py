@@ -68,7 +68,8 @@ sliced view) is read in place, without a copy; the output is a new tensor in x's
 layout: channels-last where x is, else contiguous [B, C, L]. The op is registered
 with `torch.library.triton_op`, so `torch.compile` traces into it (Inductor emits
 the kernel call in its own code; no graph break) and it can be captured in CUDA
-graphs.
+graphs. `INDUCTOR_SEES_KERNEL = False` routes calls to an opaque custom op
+instead, to measure what Inductor's handling of the kernel costs a bucket's build.
 
 Under `TRITON_INTERPRET=1` (tests on a CPU) the kernel runs in Triton's
 interpreter; libdevice has no interpreter implementation, so rounding, sin, exp
@@ -100,6 +101,14 @@ CHANNELS_LAST_LAUNCH = {"lanes": 128, "num_warps": 4, "chunk": 16}
 #   1e-6 absolute (GPU only; the interpreter uses "libdevice").
 SINE_METHODS = {"libdevice": 0, "polynomial": 1, "approx": 2}
 SINE = "polynomial"
+# How torch.compile sees the kernel; read at call (or trace) time:
+# - True: `fused_activation_op` (torch.library.triton_op). Inductor traces into the
+#   kernel and compiles it itself: per call site it analyses the kernel's IR, and it
+#   specializes the integer arguments per call (ignoring do_not_specialize).
+# - False: `fused_activation_opaque_op` (torch.library.custom_op). Inductor calls the
+#   op as it is; the kernel compiles at its first launch, once per specialization
+#   that do_not_specialize leaves. For measuring compiled buckets' build time.
+INDUCTOR_SEES_KERNEL = True
 
 
 def _interpreting() -> bool:
@@ -517,6 +526,28 @@ def fused_activation_op(
     return y
 
 
+@torch.library.custom_op("auk::fused_activation_opaque", mutates_args=())
+def fused_activation_opaque_op(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    up_filter: torch.Tensor,
+    down_filter: torch.Tensor,
+    logscale: bool,
+    causal: bool,
+) -> torch.Tensor:
+    """`fused_activation_op` as an op whose inside torch.compile does not see (INDUCTOR_SEES_KERNEL)."""
+    y = empty_like_layout(x)
+    _launch(y, x, bias, alpha, beta, up_filter, down_filter, logscale, causal, traceable=False)
+    return y
+
+
+@fused_activation_opaque_op.register_fake
+def _(x, bias, alpha, beta, up_filter, down_filter, logscale, causal):
+    return empty_like_layout(x)
+
+
 def supports(x: torch.Tensor, act, bias: torch.Tensor | None = None) -> bool:
     """Whether the fused kernel can compute `act(x + bias)`; otherwise callers use the eager module."""
     up, down = act.upsample.filter, act.downsample.lowpass.filter
@@ -564,7 +595,7 @@ def fused_activation(
         act.downsample.lowpass.pad_right == 0,
     )
     if out is None:
-        return fused_activation_op(*args)
+        return (fused_activation_op if INDUCTOR_SEES_KERNEL else fused_activation_opaque_op)(*args)
     if (
         out.shape != x.shape or out.dtype != torch.float32 or out.device != x.device
         or any(n > 1 and a != b for n, a, b in zip(x.shape, out.stride(), layout_strides(x)))
