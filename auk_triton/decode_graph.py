@@ -236,16 +236,13 @@ class AuKVAEDecodeGraph:
             host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=samples.is_cuda)
             host.copy_(samples)  # waits for this window's decode
             tile = HostTile(start_frame, host, mode, time.perf_counter() - began)
+            if not look_ahead:
+                yield tile
+            began = time.perf_counter()
+            item = next(tiles, None)  # launches the next window's decode
+            mode = self.last_mode
             if look_ahead:
-                began = time.perf_counter()
-                item = next(tiles, None)
-                mode = self.last_mode
                 yield tile
-            else:
-                yield tile
-                began = time.perf_counter()
-                item = next(tiles, None)
-                mode = self.last_mode
 
     # ---- tiers ---------------------------------------------------------------------------
 

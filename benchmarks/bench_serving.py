@@ -77,7 +77,7 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
-def check_latents(seconds: float) -> np.ndarray:
+def clip_latents(seconds: float) -> np.ndarray:
     """The latents every request of a cell sends (seeded), [frames, 64]."""
     return np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
 
@@ -88,7 +88,7 @@ def in_process(
 ) -> tuple[dict, dict]:
     """Per format, median (first tile ms, total ms) per clip length, tiles copied to host as the model
     does (pcm16: converted to int16 on the device first, as for WAVEFORM_PCM16); and per format the
-    stitched waveform of `check_latents(check_seconds)`, to compare the server's with."""
+    stitched waveform of `clip_latents(check_seconds)`, to compare the server's with."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
@@ -117,7 +117,7 @@ def in_process(
                     firsts.append(first * 1e3)
                     totals.append(total * 1e3)
             results[fmt][seconds] = (statistics.median(firsts), statistics.median(totals))
-        latents = torch.from_numpy(check_latents(check_seconds))[None].to(device)
+        latents = torch.from_numpy(clip_latents(check_seconds))[None].to(device)
         tiles = list(graph.host_tiles(latents, convert))
         references[fmt] = torch.cat([tile.samples for tile in tiles]).numpy()
     one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device=device)
@@ -138,12 +138,12 @@ def in_process(
 
 
 def check_served(url: str, seconds: float, references: dict) -> None:
-    """One streamed request per format with `check_latents(seconds)`: the served samples against
+    """One streamed request per format with `clip_latents(seconds)`: the served samples against
     the in-process ones (the same compiled decode in another process)."""
     from auk_client.stream import stream_decode
 
     for fmt, expected in references.items():
-        tiles = list(stream_decode(check_latents(seconds), url=url, pcm16=fmt == "pcm16"))
+        tiles = list(stream_decode(clip_latents(seconds), url=url, pcm16=fmt == "pcm16"))
         served = np.concatenate([tile.waveform for tile in tiles])
         if served.shape != expected.shape:
             print(f"served {fmt}: {served.size} samples, in-process {expected.size}", flush=True)
@@ -300,7 +300,7 @@ def ms(value) -> str:
 
 
 def load(url: str, seconds: float, concurrency: int, reps: int, waveform: str | None = None) -> dict:
-    latents = check_latents(seconds)
+    latents = clip_latents(seconds)
     start = server_stats(url)
     client_loop(url, latents, 2, [], threading.Barrier(1), waveform)  # warm the connection and the plain graphs
     before = stats_after(url, start, 2)  # the cell's statistics leave the warm-up out
