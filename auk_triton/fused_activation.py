@@ -65,11 +65,14 @@ loop renames. It recomputes five pairs per chunk (the previous chunk's tail).
 
 Input strides are passed to the kernels, so a non-contiguous x (a transposed or
 sliced view) is read in place, without a copy; the output is a new tensor in x's
-layout: channels-last where x is, else contiguous [B, C, L]. The op is registered
-with `torch.library.triton_op`, so `torch.compile` traces into it (Inductor emits
-the kernel call in its own code; no graph break) and it can be captured in CUDA
-graphs. `INDUCTOR_SEES_KERNEL = False` routes calls to an opaque custom op
-instead, to measure what Inductor's handling of the kernel costs a bucket's build.
+layout: channels-last where x is, else contiguous [B, C, L]. The op is a torch
+custom op with a fake (shape-only) implementation, so `torch.compile` traces
+through a call without a graph break and Inductor calls it as it is; it can be
+captured in CUDA graphs. It is deliberately opaque to Inductor: registered with
+`triton_op` instead, Inductor analysed the kernel's IR at each of a bucket's 109
+call sites and compiled a specialization per call's sizes (ignoring
+`do_not_specialize`), and a 512-frame bucket took 140 s to build against 21 s,
+and ran 0.16 ms slower (Inductor fused fewer of the adds around it).
 
 Under `TRITON_INTERPRET=1` (tests on a CPU) the kernel runs in Triton's
 interpreter; libdevice has no interpreter implementation, so rounding, sin, exp
@@ -101,14 +104,6 @@ CHANNELS_LAST_LAUNCH = {"lanes": 128, "num_warps": 4, "chunk": 16}
 #   1e-6 absolute (GPU only; the interpreter uses "libdevice").
 SINE_METHODS = {"libdevice": 0, "polynomial": 1, "approx": 2}
 SINE = "polynomial"
-# How torch.compile sees the kernel; read at call (or trace) time:
-# - True: `fused_activation_op` (torch.library.triton_op). Inductor traces into the
-#   kernel and compiles it itself: per call site it analyses the kernel's IR, and it
-#   specializes the integer arguments per call (ignoring do_not_specialize).
-# - False: `fused_activation_opaque_op` (torch.library.custom_op). Inductor calls the
-#   op as it is; the kernel compiles at its first launch, once per specialization
-#   that do_not_specialize leaves. For measuring compiled buckets' build time.
-INDUCTOR_SEES_KERNEL = True
 
 
 def _interpreting() -> bool:
@@ -463,15 +458,12 @@ def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    y: torch.Tensor, x: torch.Tensor, bias, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
-    traceable: bool = True,
+    y: torch.Tensor, x: torch.Tensor, bias, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool
 ):
     """Write act(x + bias) into y (float32, x's shape, contiguous or channels-last); `bias` may be None.
 
     A channels-last x runs the sliding kernel (lanes across channels), any other
-    layout the tiled kernel (lanes along time). `traceable` (inside the custom op)
-    goes through `wrap_triton`, so that tracing sees the kernel; a direct call (the
-    `out=` path) launches the kernel as is.
+    layout the tiled kernel (lanes along time).
     """
     batch, channels, length = x.shape
     if batch == 0 or channels == 0 or length == 0:
@@ -486,9 +478,6 @@ def _launch(
         lanes_per_row = triton.cdiv(length, chunk) * channels
         lanes = int(CHANNELS_LAST_LAUNCH["lanes"])
         grid = (triton.cdiv(lanes_per_row, lanes), batch)
-        # The interpreter's kernel object cannot be traced (and older torch refuses to wrap it).
-        if traceable and not interpreting:
-            kernel = torch.library.wrap_triton(kernel)
         kernel[grid](
             *pointers, length, channels, lanes_per_row,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
@@ -500,15 +489,13 @@ def _launch(
     kernel = _fused_activation_kernel
     block = _time_block(int(LAUNCH["block"]), length)
     grid = (triton.cdiv(length, block - HALO_LANES), channels, batch)
-    if traceable and not interpreting:
-        kernel = torch.library.wrap_triton(kernel)
     kernel[grid](
         *pointers, length, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
         BLOCK=block, num_warps=int(LAUNCH["num_warps"]), **flags,
     )
 
 
-@torch.library.triton_op("auk::fused_activation", mutates_args=())
+@torch.library.custom_op("auk::fused_activation", mutates_args=())
 def fused_activation_op(
     x: torch.Tensor,
     bias: torch.Tensor | None,
@@ -526,24 +513,7 @@ def fused_activation_op(
     return y
 
 
-@torch.library.custom_op("auk::fused_activation_opaque", mutates_args=())
-def fused_activation_opaque_op(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    up_filter: torch.Tensor,
-    down_filter: torch.Tensor,
-    logscale: bool,
-    causal: bool,
-) -> torch.Tensor:
-    """`fused_activation_op` as an op whose inside torch.compile does not see (INDUCTOR_SEES_KERNEL)."""
-    y = empty_like_layout(x)
-    _launch(y, x, bias, alpha, beta, up_filter, down_filter, logscale, causal, traceable=False)
-    return y
-
-
-@fused_activation_opaque_op.register_fake
+@fused_activation_op.register_fake
 def _(x, bias, alpha, beta, up_filter, down_filter, logscale, causal):
     return empty_like_layout(x)
 
@@ -575,7 +545,7 @@ def fused_activation(
     unsupported). `bias`, per channel, is optional.
 
     `out`, a float32 tensor of x's shape and `layout_strides(x)`, receives the result
-    directly (a plain launch, not the traceable op: for tests that poison the output first).
+    directly (a plain launch, not the op: for tests that poison the output first).
     """
     if not supports(x, act, bias):
         if bias is not None:
@@ -595,7 +565,7 @@ def fused_activation(
         act.downsample.lowpass.pad_right == 0,
     )
     if out is None:
-        return (fused_activation_op if INDUCTOR_SEES_KERNEL else fused_activation_opaque_op)(*args)
+        return fused_activation_op(*args)
     if (
         out.shape != x.shape or out.dtype != torch.float32 or out.device != x.device
         or any(n > 1 and a != b for n, a, b in zip(x.shape, out.stride(), layout_strides(x)))
@@ -604,5 +574,5 @@ def fused_activation(
             f"out must be a float32 tensor of shape {list(x.shape)} on {x.device}, "
             f"{'channels-last' if is_channels_last(x) else 'contiguous'} like x"
         )
-    _launch(out, *args, traceable=False)
+    _launch(out, *args)
     return out

@@ -125,7 +125,7 @@ def main() -> None:
               f"CUDA graphs {rows[name]['local']:.1f} ms", flush=True)
     if not args.no_server:
         for name in args.recipes:
-            process, url, _ = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900)
+            process, url, _, _ = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900)
             try:
                 rows[name].update(served(url, RECIPES[name], embeds, args.seconds, args.reps))
             finally:

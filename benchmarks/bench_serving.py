@@ -180,7 +180,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
     (default: the project's) on the `device` config.
 
-    Returns the process and the gRPC and HTTP addresses."""
+    Returns the process and the gRPC, HTTP and metrics addresses."""
     import tritonclient.grpc as grpcclient
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
@@ -198,7 +198,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
         try:
             if all(client.is_model_ready(model) for model in models):
                 print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
-                return process, url, f"127.0.0.1:{ports['http']}"
+                return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
         except Exception:
             pass
         time.sleep(0.5)
@@ -281,6 +281,27 @@ def stats_after(url: str, since: dict, requests: int, timeout_s: float = 5.0) ->
         time.sleep(0.01)
 
 
+def model_seconds(metrics_url: str) -> tuple[float, float, float] | None:
+    """(tiles sent, seconds decoding them, seconds in sends) so far, from the model's own counters on
+    Triton's metrics port (auk_vae_tiles_sent_total, auk_vae_decode_seconds_total summed over tiers,
+    auk_vae_send_seconds_total); None if absent. A tile's decode seconds run from launching its
+    window to its samples in host memory, as `host_tiles` measures them in process."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+    except OSError as err:
+        print(f"no metrics from {metrics_url}: {err}", flush=True)
+        return None
+    totals = {"auk_vae_tiles_sent_total": 0.0, "auk_vae_decode_seconds_total": 0.0,
+              "auk_vae_send_seconds_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals and f'model="{MODEL}"' in line:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals.values())
+
+
 def server_means(before: dict, after: dict) -> dict:
     """Mean ms per counted request of each statistic between two snapshots; None where unknown."""
     means: dict = {}
@@ -299,11 +320,12 @@ def ms(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def load(url: str, seconds: float, concurrency: int, reps: int, waveform: str | None = None) -> dict:
+def load(url: str, metrics_url: str, seconds: float, concurrency: int, reps: int, waveform: str | None = None) -> dict:
     latents = clip_latents(seconds)
     start = server_stats(url)
     client_loop(url, latents, 2, [], threading.Barrier(1), waveform)  # warm the connection and the plain graphs
     before = stats_after(url, start, 2)  # the cell's statistics leave the warm-up out
+    model_before = model_seconds(metrics_url)
     samples: list = []
     barrier = threading.Barrier(concurrency + 1)
     threads = [
@@ -318,6 +340,11 @@ def load(url: str, seconds: float, concurrency: int, reps: int, waveform: str | 
         thread.join()
     wall = time.perf_counter() - began
     server = server_means(before, stats_after(url, before, len(samples)))
+    model_after = model_seconds(metrics_url)
+    server["decode_per_request"] = server["send_per_request"] = None
+    if model_before and model_after and model_after[0] > model_before[0]:
+        server["decode_per_request"] = (model_after[1] - model_before[1]) * 1e3 / len(samples)
+        server["send_per_request"] = (model_after[2] - model_before[2]) * 1e3 / len(samples)
     firsts, totals = [s[0] for s in samples], [s[1] for s in samples]
     return {
         "first_p50": statistics.median(firsts), "first_p99": percentile(firsts, 99),
@@ -333,11 +360,17 @@ def print_breakdown(rows: dict, local: dict, seconds_list, fmt: str) -> None:
 
     overhead = client mean total - in-process median total
              = (Triton request duration - in-process) + (client total - Triton request duration)
+
+    "decode in model" is the model's own decode seconds per request (its tiles' launch to
+    host memory, as in process) and "send in model" its time in `sender.send`, so request -
+    decode - send is what the model spends on the rest: reading the request, building the
+    responses, metrics.
     """
     print(f"\nServer side, {fmt}, concurrency 1 (Triton's statistics, mean ms per request):")
     print("| audio | requests | queue | compute input | compute infer | compute output | request (success) | "
-          "in-process total | client total (mean) | overhead | server side | gRPC + client |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "in-process total | decode in model | send in model | client total (mean) | overhead | server side | "
+          "gRPC + client |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for seconds in seconds_list:
         row = rows.get((fmt, seconds, 1))
         if row is None:
@@ -349,7 +382,7 @@ def print_breakdown(rows: dict, local: dict, seconds_list, fmt: str) -> None:
         requests = "n/a" if server["requests"] is None else f"{server['requests']} (client {row['requests']})"
         cells = [ms(server[field]) for field in ("queue", "compute_input", "compute_infer", "compute_output")]
         print(f"| {seconds:g} s | {requests} | " + " | ".join(cells) + f" | {ms(request)} | {ms(decode)} | "
-              f"{ms(client)} | {ms(client - decode)} | {ms(server_side)} | {ms(rest)} |", flush=True)
+              f"{ms(server['decode_per_request'])} | {ms(server['send_per_request'])} | {ms(client)} | {ms(client - decode)} | {ms(server_side)} | {ms(rest)} |", flush=True)
 
 
 def main() -> None:
@@ -394,7 +427,7 @@ def main() -> None:
     repository = None
     if tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
         repository = model_repository_with_buckets(args.buckets, cache / "model_repository")
-    process, url, http_url = start_server(checkpoint, cache, Path(args.log), models,
+    process, url, http_url, metrics_url = start_server(checkpoint, cache, Path(args.log), models,
                                           device="gpu" if args.device == "cuda" else "cpu", model_repository=repository)
     try:
         check_served(url, check_seconds, references)
@@ -405,7 +438,7 @@ def main() -> None:
         for fmt in args.formats:
             for seconds in args.seconds:
                 for concurrency in args.concurrency:
-                    row = load(url, seconds, concurrency, args.reps, OUTPUTS[fmt])
+                    row = load(url, metrics_url, seconds, concurrency, args.reps, OUTPUTS[fmt])
                     rows[fmt, seconds, concurrency] = row
                     print(f"| {fmt} | {seconds:g} s | {concurrency} | {row['first_p50']:.1f} | {row['first_p99']:.1f} | "
                           f"{row['total_p50']:.1f} | {row['total_p99']:.1f} | {row['audio_s_per_s']:.0f} | "

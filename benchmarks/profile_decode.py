@@ -59,11 +59,10 @@ class Variant:
     None: the default), and whether channels-last upsamplers run in their polyphase form."""
 
     def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, sine=None,
-                 polyphase=True, cudnn_benchmark_limit=None, inductor_sees_kernel=True):
+                 polyphase=True, cudnn_benchmark_limit=None):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
         self.channels_last, self.sine = channels_last, sine
         self.polyphase, self.cudnn_benchmark_limit = polyphase, cudnn_benchmark_limit
-        self.inductor_sees_kernel = inductor_sees_kernel
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
@@ -74,21 +73,18 @@ class Variant:
 
     def __enter__(self):
         cudnn = torch.backends.cudnn
-        self.saved = (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE,
-                      fa.INDUCTOR_SEES_KERNEL)
+        self.saved = (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE)
         if self.padded_convs:
             CausalConv1d.forward, AMPBlock.forward = _padded_causal_conv, _bias_in_conv_block
         cudnn.benchmark = self.cudnn_benchmark
         if self.cudnn_benchmark_limit is not None:
             cudnn.benchmark_limit = self.cudnn_benchmark_limit
         fa.SINE = self.sine or fa.SINE
-        fa.INDUCTOR_SEES_KERNEL = self.inductor_sees_kernel
         return self
 
     def __exit__(self, *exc):
         cudnn = torch.backends.cudnn
-        (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE,
-         fa.INDUCTOR_SEES_KERNEL) = self.saved
+        (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE) = self.saved
 
 
 DEFAULT_CHANNELS_LAST = f"fused activation ({fa.SINE} sine), channels-last, polyphase upsamplers: the default"
@@ -105,8 +101,6 @@ VARIANTS = [
     Variant("the same, transposed-convolution upsamplers", fused=True, channels_last=True, polyphase=False),
     Variant("the same + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True,
             channels_last=True, cudnn_benchmark=True, cudnn_benchmark_limit=0),
-    Variant("the same, the kernel an opaque op to Inductor (build time)", fused=True, channels_last=True,
-            inductor_sees_kernel=False),
 ]
 
 

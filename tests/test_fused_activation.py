@@ -193,9 +193,9 @@ def test_interpreted_kernel_matches_eager(interpreter_results, case):
     _check(result)
 
 
-def test_interpreted_opaque_op_passes_opcheck_and_traces_to_the_same_result(interpreter_results):
-    result = interpreter_results.get(OPAQUE_OP_ID)
-    assert result is not None, "no result for the opaque op"
+def test_interpreted_op_passes_opcheck_and_traces_to_the_same_result(interpreter_results):
+    result = interpreter_results.get(OP_ID)
+    assert result is not None, "no result for the op"
     assert "error" not in result, result.get("error")
     assert result["equal"], "the traced call differs from the direct call"
     assert result["channels_last"], "the traced call's output lost the input's channels-last layout"
@@ -231,13 +231,10 @@ def test_every_way_of_evaluating_the_sine_matches_eager_on_the_gpu(monkeypatch, 
 
 
 @gpu
-@pytest.mark.parametrize("inductor_sees_kernel", [True, False], ids=["triton_op", "opaque"])
-def test_the_op_compiles_without_a_graph_break_and_passes_opcheck(monkeypatch, inductor_sees_kernel):
+def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
     from auk_triton import fused_activation as fa
     from auk_triton.activations import Activation1d
 
-    monkeypatch.setattr(fa, "INDUCTOR_SEES_KERNEL", inductor_sees_kernel)
-    op = fa.fused_activation_op if inductor_sees_kernel else fa.fused_activation_opaque_op
     torch.manual_seed(5)
     act = Activation1d(64).requires_grad_(False).cuda()
     act.act.alpha.normal_(0, 0.5)
@@ -253,7 +250,7 @@ def test_the_op_compiles_without_a_graph_break_and_passes_opcheck(monkeypatch, i
     filters = (act.upsample.filter, act.downsample.lowpass.filter)
     for bias in (None, torch.randn(64, device="cuda")):
         args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True)
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+        torch.library.opcheck(fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 @pytest.fixture(scope="module")
@@ -322,11 +319,11 @@ def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
 # ---- the subprocess body --------------------------------------------------------------------------
 
 
-OPAQUE_OP_ID = "opaque op: opcheck and a traced call"
+OP_ID = "the op: opcheck and a traced call"
 
 
-def check_opaque_op() -> dict:
-    """The opaque op (INDUCTOR_SEES_KERNEL = False) passes opcheck on a channels-last input
+def check_op() -> dict:
+    """The custom op passes opcheck on a channels-last input
     and, traced by torch.compile (AOT, no code generation), equals the direct call. (Its
     selection by `fused_activation` is traced on the GPU test: here `supports` reads
     Triton's interpreter setting, which Dynamo cannot trace.)"""
@@ -342,22 +339,22 @@ def check_opaque_op() -> dict:
     filters = (act.upsample.filter.contiguous(), act.downsample.lowpass.filter.contiguous())
     args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True)
     torch.library.opcheck(
-        fa.fused_activation_opaque_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
     )
     with torch.no_grad():
-        traced = torch.compile(lambda t: fa.fused_activation_opaque_op(t, *args[1:]) * 1.0, backend="aot_eager",
+        traced = torch.compile(lambda t: fa.fused_activation_op(t, *args[1:]) * 1.0, backend="aot_eager",
                                fullgraph=True)(x)
-        direct = fa.fused_activation_opaque_op(*args)
-    return {"id": OPAQUE_OP_ID, "equal": bool(torch.equal(traced, direct)),
+        direct = fa.fused_activation_op(*args)
+    return {"id": OP_ID, "equal": bool(torch.equal(traced, direct)),
             "channels_last": bool(fa.is_channels_last(traced))}
 
 
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     try:
-        print(json.dumps(check_opaque_op()), flush=True)
+        print(json.dumps(check_op()), flush=True)
     except Exception as err:
-        print(json.dumps({"id": OPAQUE_OP_ID, "error": f"{type(err).__name__}: {err}"}), flush=True)
+        print(json.dumps({"id": OP_ID, "error": f"{type(err).__name__}: {err}"}), flush=True)
     failures = 0
     for seed, case in enumerate(INTERPRETER_CASES):
         try:

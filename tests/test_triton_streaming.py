@@ -240,9 +240,9 @@ def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_stre
     assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton))
 
 
-def test_metrics_count_tiles_audio_seconds_and_decode_time_per_tier(triton, open_stream):
+def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_stream):
     labels = {"model": STREAM_MODEL}
-    names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total")
+    names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total", "auk_vae_send_seconds_total")
     before = {name: triton.metric(name, **labels) for name in names}
     eager_before = triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels)
 
@@ -263,6 +263,7 @@ def test_metrics_count_tiles_audio_seconds_and_decode_time_per_tier(triton, open
     assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
     # On the CPU every tile is eager.
     assert triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels) > eager_before
+    assert triton.metric("auk_vae_send_seconds_total", **labels) > before[names[2]]
     text = triton.metrics()
     for name in ("auk_vae_graph_captures_total", "auk_vae_graph_generations_retired_total"):
         assert re.search(rf'^{name}{{model="{STREAM_MODEL}"', text, re.MULTILINE), name

@@ -50,7 +50,7 @@ class DecodeMetrics:
 
     def __init__(self, labels: dict[str, str]):
         self._families = []
-        self._tiles = self._audio = self._captures = self._retired = None
+        self._tiles = self._audio = self._captures = self._retired = self._send = None
         self._seconds: dict[str, object] = {}
         self._seen_captures = self._seen_retired = 0
         family_cls = getattr(pb_utils, "MetricFamily", None)
@@ -74,6 +74,11 @@ class DecodeMetrics:
                 "auk_vae_decode_seconds_total", "Wall time decoding tiles, by tier (compiled, graph, eager)"
             )
             self._seconds = {tier: seconds.Metric(labels={**labels, "tier": tier}) for tier in TIERS}
+            self._send = counter(
+                "auk_vae_send_seconds_total",
+                "Wall time the streaming model waits in response sends (each returns once the server "
+                "has written the response to the client's connection)",
+            ).Metric(labels=labels)
             self._captures = counter("auk_vae_graph_captures_total", "Plain CUDA graphs captured").Metric(
                 labels=labels
             )
@@ -83,7 +88,7 @@ class DecodeMetrics:
         except Exception as err:  # metrics disabled on the server, or an older backend
             log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
-            self._tiles = self._audio = self._captures = self._retired = None
+            self._tiles = self._audio = self._captures = self._retired = self._send = None
 
     def tile(self, tier: str | None, seconds: float, audio_seconds: float) -> None:
         if self._tiles is None:
@@ -93,6 +98,10 @@ class DecodeMetrics:
         metric = self._seconds.get(tier or "eager")
         if metric is not None:
             metric.increment(seconds)
+
+    def sent(self, seconds: float) -> None:
+        if self._send is not None and seconds > 0:
+            self._send.increment(seconds)
 
     def graphs(self, graph: AuKVAEDecodeGraph) -> None:
         """Bring the capture and retirement counters up to the graph wrapper's own."""
@@ -219,9 +228,10 @@ class TritonPythonModel:
             decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
             yield tile.start_frame * hop, tile.samples
 
-    def _report(self, decoded: list) -> None:
+    def _report(self, decoded: list, send_seconds: float = 0.0) -> None:
         for tier, seconds, audio_seconds in decoded:
             self.metrics.tile(tier, seconds, audio_seconds)
+        self.metrics.sent(send_seconds)
         self.metrics.graphs(self.graph)
 
     def _respond(self, request):
@@ -255,6 +265,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         decoded = []
+        send_seconds = 0.0  # in the tiles' sends
         finished = False  # the final flag has been sent
         try:
             latents = self._latents(request)
@@ -262,6 +273,7 @@ class TritonPythonModel:
             pcm16 = wants_pcm16(request)
             for start, wave in self._tiles(latents, decoded, pcm16):
                 last = start + wave.numel() >= total
+                began = time.perf_counter()
                 sender.send(
                     pb_utils.InferenceResponse(
                         output_tensors=[
@@ -271,6 +283,7 @@ class TritonPythonModel:
                     ),
                     flags=final if last else 0,
                 )
+                send_seconds += time.perf_counter() - began
                 if last:
                     finished = True
                     break
@@ -291,7 +304,7 @@ class TritonPythonModel:
                 except Exception as send_err:  # the client is gone
                     log("error", f"{self.name}: could not send the error response: {send_err}")
         finally:
-            self._report(decoded)
+            self._report(decoded, send_seconds)
 
     def finalize(self):
         self.graph = self.vae = self.metrics = None
