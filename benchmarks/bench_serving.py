@@ -381,8 +381,9 @@ def print_breakdown(rows: dict, local: dict, seconds_list, fmt: str) -> None:
         rest = None if request is None else client - request
         requests = "n/a" if server["requests"] is None else f"{server['requests']} (client {row['requests']})"
         cells = [ms(server[field]) for field in ("queue", "compute_input", "compute_infer", "compute_output")]
+        in_model = f"{ms(server['decode_per_request'])} | {ms(server['send_per_request'])}"
         print(f"| {seconds:g} s | {requests} | " + " | ".join(cells) + f" | {ms(request)} | {ms(decode)} | "
-              f"{ms(server['decode_per_request'])} | {ms(server['send_per_request'])} | {ms(client)} | {ms(client - decode)} | {ms(server_side)} | {ms(rest)} |", flush=True)
+              f"{in_model} | {ms(client)} | {ms(client - decode)} | {ms(server_side)} | {ms(rest)} |", flush=True)
 
 
 def main() -> None:
@@ -427,8 +428,9 @@ def main() -> None:
     repository = None
     if tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
         repository = model_repository_with_buckets(args.buckets, cache / "model_repository")
-    process, url, http_url, metrics_url = start_server(checkpoint, cache, Path(args.log), models,
-                                          device="gpu" if args.device == "cuda" else "cpu", model_repository=repository)
+    process, url, http_url, metrics_url = start_server(
+        checkpoint, cache, Path(args.log), models, device="gpu" if args.device == "cuda" else "cpu",
+        model_repository=repository)
     try:
         check_served(url, check_seconds, references)
         print("| format | audio | concurrency | first audio p50 ms | p99 | total p50 ms | p99 | audio s per s "

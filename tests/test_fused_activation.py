@@ -250,7 +250,9 @@ def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
     filters = (act.upsample.filter, act.downsample.lowpass.filter)
     for bias in (None, torch.randn(64, device="cuda")):
         args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True)
-        torch.library.opcheck(fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+        torch.library.opcheck(
+            fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +325,8 @@ OP_ID = "the op: opcheck and a traced call"
 
 
 def check_op() -> dict:
-    """The custom op passes opcheck on a channels-last input
-    and, traced by torch.compile (AOT, no code generation), equals the direct call. (Its
+    """The custom op passes opcheck on a channels-last input and, traced by torch.compile
+    (AOT, no code generation), equals the direct call. (Its
     selection by `fused_activation` is traced on the GPU test: here `supports` reads
     Triton's interpreter setting, which Dynamo cannot trace.)"""
     from auk_triton import fused_activation as fa
