@@ -60,6 +60,9 @@ INTERPRETER_CASES = [
     (1, 24, 129, "contiguous", True, False, False, False),
     (1, 24, 300, "transposed", True, True, False, True),
     (1, 12, 77, "transposed", False, True, True, False),
+    # Long enough that whole programs of the channels-last kernel lie inside the row (its loop without edges).
+    (1, 8, 600, "transposed", False, True, False, True),
+    (2, 16, 1001, "transposed", True, True, True, False),
 ]
 
 GPU_CASES = [
