@@ -42,6 +42,12 @@ DEFAULT_INIT_KWARGS = {
 }
 
 
+# A channels-last decode runs its causal convolutions narrower than FOLD_BELOW channels
+# time-folded to FOLD_TO channels (CausalConv1d.build_fold), the widths at which cuDNN's
+# NHWC kernels ran fastest per sample on an H200 (benchmarks/RESULTS.md).
+FOLD_BELOW, FOLD_TO = 96, 192
+
+
 def _is_channels_last(x: torch.Tensor) -> bool:
     """A [N, C, L] signal with channels adjacent in memory (see AuKVAE.use_channels_last).
 
@@ -63,9 +69,64 @@ class CausalConv1d(nn.Conv1d):
 
     `bias=False` leaves the bias out, for a consumer that adds it itself (the
     fused activation folds it into its input loads).
+
+    Time folding (`build_fold`, called by AuKVAE.use_channels_last for narrow
+    convolutions). cuDNN runs 24- and 48-channel convolutions far above their
+    memory floor (NCHW kernels plus layout conversions), while at 96 to 192
+    channels it runs NHWC implicit GEMMs. A channels-last signal's memory [L][C] is also the memory
+    of [L / F][F * C]: F consecutive samples side by side as one wider sample. On
+    that view the causal convolution is another causal convolution, of F * C
+    channels, dilation 1 and kernel ceil(dilation * (kernel - 1) / F) + 1, whose
+    weight puts W[:, :, j] in the block (output phase p, input phase r, tap) where
+    sample F*s + p meets sample F*(s - q) + r, and zeros elsewhere. Its output's
+    memory is again the unfolded output's: no copies, the same products (plus
+    exact zeros), summed in another order.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fold = 1
+        # Derived from `weight` and `bias` by build_fold; not part of the checkpoint.
+        self.register_buffer("folded_weight", None, persistent=False)
+        self.register_buffer("folded_bias", None, persistent=False)
+
+    def build_fold(self, fold: int) -> None:
+        """folded_weight [F*C_out, F*C_in, 1, K'] (channels-last) and folded_bias (the bias
+        repeated F times) for folding time by F = `fold`, from this layer's current weights."""
+        if fold <= 1:
+            self.drop_fold()
+            return
+        weight = self.weight.detach()
+        c_out, c_in, kernel = weight.shape
+        dilation = self.dilation[0]
+        taps = -(-dilation * (kernel - 1) // fold) + 1
+        folded = weight.new_zeros(fold, c_out, fold, c_in, taps)
+        for j in range(kernel):
+            back = dilation * (kernel - 1 - j)  # W[:, :, j] multiplies x[t - back]
+            for p in range(fold):
+                q = -((p - back) // fold)  # x[F*s + p - back] = x[F*(s - q) + r]
+                folded[p, :, p - back + fold * q, :, taps - 1 - q] = weight[:, :, j]
+        folded = folded.reshape(fold * c_out, fold * c_in, 1, taps)
+        self.folded_weight = folded.contiguous(memory_format=torch.channels_last)
+        self.folded_bias = None if self.bias is None else self.bias.detach().repeat(fold)
+        self.fold = fold
+
+    def drop_fold(self) -> None:
+        self.folded_weight = self.folded_bias = None
+        self.fold = 1
+
+    def _folded(self, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        """The convolution on the folded view of x (channels-last rows, length divisible by F)."""
+        batch, channels, length = x.shape
+        fold, taps = self.fold, self.folded_weight.shape[-1]
+        wide = x.transpose(1, 2).reshape(batch, length // fold, fold * channels).transpose(1, 2)
+        out = F.conv2d(wide.unsqueeze(2), self.folded_weight, self.folded_bias if bias else None, 1, (0, taps - 1))
+        out = out.squeeze(2)[..., : length // fold]
+        return out.transpose(1, 2).reshape(batch, length, self.out_channels).transpose(1, 2)
+
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        if self.fold > 1 and _is_channels_last(x) and x.stride(2) == x.shape[1] and x.shape[2] % self.fold == 0:
+            return self._folded(x, bias)
         left = self.dilation[0] * (self.kernel_size[0] - 1)
         bias_term = self.bias if bias else None
         if _is_channels_last(x):
@@ -330,7 +391,9 @@ class AuKVAE(nn.Module):
                 module.fused = bool(enabled)
         return self
 
-    def use_channels_last(self, enabled: bool = True) -> "AuKVAE":
+    def use_channels_last(
+        self, enabled: bool = True, fold_below: int = FOLD_BELOW, fold_to: int = FOLD_TO
+    ) -> "AuKVAE":
         """Run the decoder on channels-last signals: [B, C, L] tensors over [B, L, C] memory.
 
         cuDNN's TF32 convolution kernels read and write NHWC; fed channels-first
@@ -338,11 +401,19 @@ class AuKVAE(nn.Module):
         512-frame decode on an H200). Storing the decoder's weights channels-last
         and converting the signal once after `conv_pre` keeps every convolution,
         upsampler (in its polyphase form, built here from the current weights),
-        residual add and fused activation in that layout.
+        residual add and fused activation in that layout. Causal convolutions
+        narrower than `fold_below` channels run time-folded to `fold_to` channels
+        where their width divides it (CausalConv1d.build_fold); `fold_to=0` turns
+        folding off.
         The weights keep their values, only their strides change; decodes differ
         at rounding level, where other convolution algorithms run.
         """
         self.channels_last = bool(enabled)
+        for conv in self.modules():
+            if isinstance(conv, CausalConv1d):
+                width = conv.in_channels
+                folds = enabled and width < fold_below and fold_to > width and fold_to % width == 0
+                conv.build_fold(fold_to // width if folds else 1)
         decoder = [self.conv_pre, self.conv_post, *self.ups, *self.resblocks]
         for part in decoder:
             for module in part.modules():

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from auk_triton import fused_activation as fa
 from auk_triton.decode_graph import AuKVAEDecodeGraph
 from auk_triton.synthetic import write_synthetic_checkpoint
-from auk_triton.vae import AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
+from auk_triton.vae import FOLD_BELOW, FOLD_TO, AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
 
 from bench_decode import compile_time_breakdown, median_ms  # this folder is on sys.path when run as a script
 
@@ -59,14 +59,15 @@ class Variant:
     None: the default), and whether channels-last upsamplers run in their polyphase form."""
 
     def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, sine=None,
-                 polyphase=True, cudnn_benchmark_limit=None):
+                 polyphase=True, cudnn_benchmark_limit=None, fold=(FOLD_BELOW, FOLD_TO)):
         self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
         self.channels_last, self.sine = channels_last, sine
         self.polyphase, self.cudnn_benchmark_limit = polyphase, cudnn_benchmark_limit
+        self.fold = fold  # (narrower than, to): see AuKVAE.use_channels_last
 
     def apply(self, vae: AuKVAE) -> None:
         vae.use_fused_activation(self.fused)
-        vae.use_channels_last(self.channels_last)
+        vae.use_channels_last(self.channels_last, *self.fold)
         if not self.polyphase:
             for up in vae.ups:
                 up[0].drop_polyphase()
@@ -87,7 +88,8 @@ class Variant:
         (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE) = self.saved
 
 
-DEFAULT_CHANNELS_LAST = f"fused activation ({fa.SINE} sine), channels-last, polyphase upsamplers: the default"
+DEFAULT_CHANNELS_LAST = (f"fused activation ({fa.SINE} sine), channels-last, polyphase upsamplers, "
+                         f"convolutions under {FOLD_BELOW} channels time-folded to {FOLD_TO}: the default")
 VARIANTS = [
     Variant("eager activations, padded-copy convs (before)", fused=False, padded_convs=True),
     Variant("eager activations", fused=False),
@@ -101,6 +103,10 @@ VARIANTS = [
     Variant("the same, transposed-convolution upsamplers", fused=True, channels_last=True, polyphase=False),
     Variant("the same + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True,
             channels_last=True, cudnn_benchmark=True, cudnn_benchmark_limit=0),
+    Variant("the same, no time folding", fused=True, channels_last=True, fold=(0, 0)),
+    Variant("the same, folded to 96 channels", fused=True, channels_last=True, fold=(96, 96)),
+    Variant("the same, under 192 channels folded to 192 (stage 3 too)", fused=True, channels_last=True,
+            fold=(192, 192)),
 ]
 
 

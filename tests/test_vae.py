@@ -207,12 +207,66 @@ def test_a_channels_last_decode_equals_the_channels_first_decode(small_dir):
     channels_last = AuKVAE.from_pretrained(small_dir).use_channels_last(True)
     conv = channels_last.resblocks[0].convs1[0].weight
     assert conv.stride(1) == 1, "use_channels_last must store the convolution weights channels-last"
+    # With the default thresholds every stage of the small preset is time-folded; 29 frames
+    # leave some stages' lengths indivisible by their fold, so both paths run.
+    assert all(block.convs1[0].fold > 1 for block in channels_last.resblocks)
     latents = torch.randn(1, 29, reference.latent_dim, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(channels_last.decode(latents), reference.decode(latents), atol=1e-5, rtol=0)
         channels_last.use_channels_last(False)
         assert channels_last.resblocks[0].convs1[0].weight.is_contiguous()
         torch.testing.assert_close(channels_last.decode(latents), reference.decode(latents), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fold", [2, 3, 8])
+@pytest.mark.parametrize("kernel, dilation", [(3, 1), (7, 3), (11, 5), (2, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_time_folded_convolution_equals_the_causal_convolution(fold, kernel, dilation, bias):
+    from auk_triton.vae import CausalConv1d
+
+    torch.manual_seed(fold * 100 + kernel * 10 + dilation)
+    conv = CausalConv1d(6, 5, kernel, dilation=dilation, bias=bias).requires_grad_(False)
+    x = torch.randn(2, 96, 6).transpose(1, 2)  # channels-last [B, C, L], L divisible by every fold
+    with torch.no_grad():
+        expected = conv(x.contiguous())
+        expected_no_bias = conv(x.contiguous(), bias=False)
+        conv.build_fold(fold)
+        assert conv.folded_weight.shape[:2] == (5 * fold, 6 * fold)
+        actual = conv(x)
+        actual_no_bias = conv(x, bias=False)
+        conv.drop_fold()
+        unfolded = conv(x)
+    assert actual.shape == (2, 5, 96)
+    assert actual.stride(1) == 1, "the folded output must stay channels-last"
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual_no_bias, expected_no_bias, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unfolded, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_folded_convolution_falls_back_where_the_length_does_not_divide():
+    from auk_triton.vae import CausalConv1d
+
+    torch.manual_seed(5)
+    conv = CausalConv1d(4, 4, 7, dilation=3).requires_grad_(False)
+    x = torch.randn(1, 50, 4).transpose(1, 2)  # 50 samples: not a multiple of 4
+    with torch.no_grad():
+        expected = conv(x.contiguous())
+        conv.build_fold(4)
+        torch.testing.assert_close(conv(x), expected, atol=1e-5, rtol=1e-5)
+        # A channels-first signal is never folded either.
+        torch.testing.assert_close(conv(x.contiguous()), expected, atol=0, rtol=0)
+
+
+def test_channels_last_folds_the_convolutions_narrower_than_the_threshold(small_dir):
+    from auk_triton.vae import AuKVAE
+
+    vae = AuKVAE.from_pretrained(small_dir).use_channels_last(True, fold_below=16, fold_to=32)
+    folds = {block.convs1[0].in_channels: block.convs1[0].fold for block in vae.resblocks}
+    # The small preset's stages are 64, 32, 16, 8, 4 and 2 channels wide.
+    assert folds == {64: 1, 32: 1, 16: 1, 8: 4, 4: 8, 2: 16}
+    assert vae.conv_post.fold == 16
+    vae.use_channels_last(False)
+    assert all(block.convs1[0].fold == 1 and block.convs1[0].folded_weight is None for block in vae.resblocks)
 
 
 @pytest.mark.parametrize("rate", [2, 3, 5])
