@@ -73,9 +73,9 @@ class CausalConv1d(nn.Conv1d):
     Time folding (`build_fold`, called by AuKVAE.use_channels_last for narrow
     convolutions). cuDNN runs 24- and 48-channel convolutions far above their
     memory floor (NCHW kernels plus layout conversions), while at 96 to 192
-    channels it runs NHWC implicit GEMMs. A channels-last signal's memory [L][C] is also the memory
-    of [L / F][F * C]: F consecutive samples side by side as one wider sample. On
-    that view the causal convolution is another causal convolution, of F * C
+    channels it runs NHWC implicit GEMMs. A channels-last signal's memory [L][C]
+    is also the memory of [L / F][F * C]: F consecutive samples side by side as
+    one wider sample. On that view the causal convolution is another one, of F * C
     channels, dilation 1 and kernel ceil(dilation * (kernel - 1) / F) + 1, whose
     weight puts W[:, :, j] in the block (output phase p, input phase r, tap) where
     sample F*s + p meets sample F*(s - q) + r, and zeros elsewhere. Its output's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -269,3 +270,69 @@ def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_str
         assert re.search(rf'^{name}{{model="{STREAM_MODEL}"', text, re.MULTILINE), name
     # Triton's own metrics are still there, next to ours.
     assert "nv_inference_request_success" in text
+
+
+def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(triton, http_client):
+    """Triton's system shared-memory extension, as a client on the server's host uses it: the
+    latents read from one region, the PCM16 waveform written into another, nothing of either in
+    the gRPC messages. The offline model (one response) and a one-tile stream both fill the output
+    region with the samples the HTTP path returns; a region too small is an error naming the output
+    and the size it needs."""
+    from multiprocessing import shared_memory
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    latents = make_latents(100, seed=61)  # one tile of the served 128
+    samples = 100 * HOP
+    tensor = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
+    tensor.set_data_from_numpy(latents, binary_data=True)
+    reference = http_client.infer(
+        OFFLINE_MODEL, [tensor], outputs=[httpclient.InferRequestedOutput("WAVEFORM_PCM16", binary_data=True)]
+    ).as_numpy("WAVEFORM_PCM16")
+
+    tag = f"auk_test_{os.getpid()}"
+    regions = {
+        "in": shared_memory.SharedMemory(name=f"{tag}_in", create=True, size=latents.nbytes),
+        "out": shared_memory.SharedMemory(name=f"{tag}_out", create=True, size=2 * samples),
+    }
+    np.ndarray(latents.shape, np.float32, buffer=regions["in"].buf)[:] = latents
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        for key, region in regions.items():
+            client.register_system_shared_memory(f"{tag}_{key}", f"/{tag}_{key}", region.size)
+        inputs = [grpcclient.InferInput("LATENTS", list(latents.shape), "FP32")]
+        inputs[0].set_shared_memory(f"{tag}_in", latents.nbytes)
+
+        def outputs(size: int):
+            wave = grpcclient.InferRequestedOutput("WAVEFORM_PCM16")
+            wave.set_shared_memory(f"{tag}_out", size)
+            return [wave, grpcclient.InferRequestedOutput("START_SAMPLE")]
+
+        def region_samples() -> np.ndarray:
+            return np.ndarray((samples,), np.int16, buffer=regions["out"].buf).copy()
+
+        result = client.infer(OFFLINE_MODEL, inputs, outputs=outputs(2 * samples))
+        assert [len(raw) for raw in result.get_response().raw_output_contents] == [0, 8], "START_SAMPLE alone travels"
+        np.testing.assert_array_equal(region_samples(), reference)
+
+        np.ndarray((samples,), np.int16, buffer=regions["out"].buf)[:] = 0
+        responses = []
+        client.start_stream(callback=lambda result, error: responses.append((result, error)))
+        client.async_stream_infer(STREAM_MODEL, inputs, outputs=outputs(2 * samples))
+        client.stop_stream()  # waits for the stream to finish
+        assert len(responses) == 1 and responses[0][1] is None
+        np.testing.assert_array_equal(region_samples(), reference)
+
+        with pytest.raises(Exception, match=rf"output 'WAVEFORM_PCM16' .*at least {2 * samples} bytes"):
+            client.infer(OFFLINE_MODEL, inputs, outputs=outputs(samples))
+        assert triton.is_ready()
+    finally:
+        try:
+            for key in regions:
+                client.unregister_system_shared_memory(f"{tag}_{key}")
+        finally:
+            client.close()
+            for region in regions.values():
+                region.close()
+                region.unlink()
