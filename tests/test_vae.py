@@ -252,9 +252,15 @@ def test_a_folded_convolution_falls_back_where_the_length_does_not_divide():
     with torch.no_grad():
         expected = conv(x.contiguous())
         conv.build_fold(4)
+        folded_calls = []
+        folded = conv._folded
+        conv._folded = lambda *args: folded_calls.append(args) or folded(*args)
         torch.testing.assert_close(conv(x), expected, atol=1e-5, rtol=1e-5)
         # A channels-first signal is never folded either.
         torch.testing.assert_close(conv(x.contiguous()), expected, atol=0, rtol=0)
+        assert not folded_calls
+        conv(x[..., :48])  # 48 samples divide by 4: folded
+        assert len(folded_calls) == 1
 
 
 def test_channels_last_folds_the_convolutions_narrower_than_the_threshold(small_dir):
