@@ -125,11 +125,13 @@ class CausalConv1d(nn.Conv1d):
         return out.transpose(1, 2).reshape(batch, length, self.out_channels).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        if self.fold > 1 and _is_channels_last(x) and x.stride(2) == x.shape[1] and x.shape[2] % self.fold == 0:
+        channels_last = _is_channels_last(x)
+        # Folding needs rows of exactly C values (the [L/F][F*C] view) and F dividing L.
+        if channels_last and self.fold > 1 and x.stride(2) == x.shape[1] and x.shape[2] % self.fold == 0:
             return self._folded(x, bias)
         left = self.dilation[0] * (self.kernel_size[0] - 1)
         bias_term = self.bias if bias else None
-        if _is_channels_last(x):
+        if channels_last:
             out = F.conv2d(x.unsqueeze(2), self.weight.unsqueeze(2), bias_term, 1, (0, left), (1, self.dilation[0]))
             out = out.squeeze(2)
         else:
