@@ -69,6 +69,8 @@ MODEL = "auk_vae_decode"
 OFFLINE_MODEL = "auk_vae_decode_offline"
 # Triton's cumulative per-model statistics (inference_stats), each a count and nanoseconds.
 STAT_FIELDS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
+# The decode model reports its counters this long after a request ends, at most.
+MODEL_METRICS_LAG_S = 0.1
 # Sample formats: the output each client asks for (None: all outputs, the float32 WAVEFORM).
 OUTPUTS = {"float32": None, "pcm16": "WAVEFORM_PCM16"}
 
@@ -176,9 +178,9 @@ def free_port() -> int:
 
 
 def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
-                 device: str = "gpu", model_repository: Path | None = None):
+                 device: str = "gpu", model_repository: Path | None = None, extra_args=()):
     """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
-    (default: the project's) on the `device` config.
+    (default: the project's) on the `device` config, with `extra_args` for tritonserver.
 
     Returns the process and the gRPC, HTTP and metrics addresses."""
     import tritonclient.grpc as grpcclient
@@ -186,7 +188,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
                AUK_MODELS=",".join(models))
-    argv, env = server_command(model_repository, ports=ports, env=env, extra_args=["--exit-timeout-secs=5"])
+    argv, env = server_command(model_repository, ports=ports, env=env, extra_args=["--exit-timeout-secs=5", *extra_args])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{ports['grpc']}"
@@ -281,11 +283,12 @@ def stats_after(url: str, since: dict, requests: int, timeout_s: float = 5.0) ->
         time.sleep(0.01)
 
 
-def model_seconds(metrics_url: str) -> tuple[float, float, float] | None:
-    """(tiles sent, seconds decoding them, seconds in sends) so far, from the model's own counters on
+def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:
+    """(tiles sent, seconds decoding them, seconds in sends) so far, from `model`'s own counters on
     Triton's metrics port (auk_vae_tiles_sent_total, auk_vae_decode_seconds_total summed over tiers,
     auk_vae_send_seconds_total); None if absent. A tile's decode seconds run from launching its
-    window to its samples in host memory, as `host_tiles` measures them in process."""
+    window to its samples in host memory, as `host_tiles` measures them in process. The model
+    reports its counters a few milliseconds after each request ends."""
     import urllib.request
 
     try:
@@ -297,7 +300,7 @@ def model_seconds(metrics_url: str) -> tuple[float, float, float] | None:
               "auk_vae_send_seconds_total": 0.0}
     for line in text.splitlines():
         name = line.split("{", 1)[0]
-        if name in totals and f'model="{MODEL}"' in line:
+        if name in totals and f'model="{model}"' in line:
             totals[name] += float(line.rsplit(" ", 1)[1])
     return tuple(totals.values())
 
@@ -340,6 +343,7 @@ def load(url: str, metrics_url: str, seconds: float, concurrency: int, reps: int
         thread.join()
     wall = time.perf_counter() - began
     server = server_means(before, stats_after(url, before, len(samples)))
+    time.sleep(MODEL_METRICS_LAG_S)
     model_after = model_seconds(metrics_url)
     server["decode_per_request"] = server["send_per_request"] = None
     if model_before and model_after and model_after[0] > model_before[0]:

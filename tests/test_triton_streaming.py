@@ -241,27 +241,36 @@ def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_stre
     assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton))
 
 
+def wait_for_metric(triton, name: str, at_least: float, timeout: float = 30, **labels) -> float:
+    """The model reports its counters a few milliseconds after a request ends: poll until `name` gets there."""
+    deadline = time.monotonic() + timeout
+    while (value := triton.metric(name, **labels)) < at_least:
+        assert time.monotonic() < deadline, f"{name} stayed at {value}, short of {at_least}"
+        time.sleep(0.05)
+    return value
+
+
 def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_stream):
     labels = {"model": STREAM_MODEL}
     names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total", "auk_vae_send_seconds_total")
     before = {name: triton.metric(name, **labels) for name in names}
     eager_before = triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels)
 
-    frames = 140
+    # Three requests back to back: their counters may be reported together, and must add up.
+    lengths = {"counted-1": 140, "counted-2": 20, "counted-3": 75}
     stream = open_stream()
-    stream.send(make_latents(frames, seed=50), request_id="counted")
-    outcome = stream.collect()["counted"]
-    assert outcome.error is None
+    for request_id, frames in lengths.items():
+        stream.send(make_latents(frames, seed=50 + frames), request_id=request_id)
+    outcomes = stream.collect()
+    assert all(outcome.error is None for outcome in outcomes.values())
+    tiles = sum(len(outcome.tiles) for outcome in outcomes.values())
+    assert tiles > len(lengths)  # the 140-frame clip takes more than one tile
 
-    # The model reports a request's metrics after its final response, so they may
-    # land a moment after the client has it.
-    deadline = time.monotonic() + 30
-    while triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] < len(outcome.tiles):
-        assert time.monotonic() < deadline, "the tile counter never caught up with the tiles sent"
-        time.sleep(0.05)
-    assert triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] == len(outcome.tiles)
+    wait_for_metric(triton, names[0], before[names[0]] + tiles, **labels)
+    time.sleep(0.2)  # nothing more arrives after the last report
+    assert triton.metric("auk_vae_tiles_sent_total", **labels) - before[names[0]] == tiles
     audio = triton.metric("auk_vae_audio_seconds_total", **labels) - before[names[1]]
-    assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
+    assert audio == pytest.approx(sum(lengths.values()) * HOP / 24000, rel=1e-6)
     # On the CPU every tile is eager.
     assert triton.metric("auk_vae_decode_seconds_total", tier="eager", **labels) > eager_before
     assert triton.metric("auk_vae_send_seconds_total", **labels) > before[names[2]]
@@ -270,6 +279,22 @@ def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_str
         assert re.search(rf'^{name}{{model="{STREAM_MODEL}"', text, re.MULTILINE), name
     # Triton's own metrics are still there, next to ours.
     assert "nv_inference_request_success" in text
+
+
+def test_the_offline_model_counts_its_tiles_once_its_response_is_out(triton, http_client):
+    import tritonclient.http as httpclient
+
+    labels = {"model": OFFLINE_MODEL}
+    before = triton.metric("auk_vae_tiles_sent_total", **labels)
+    audio_before = triton.metric("auk_vae_audio_seconds_total", **labels)
+    frames = 30
+    tensor = httpclient.InferInput("LATENTS", [frames, 64], "FP32")
+    tensor.set_data_from_numpy(make_latents(frames, seed=60))
+    assert http_client.infer(OFFLINE_MODEL, [tensor]).as_numpy("WAVEFORM").shape == (frames * HOP,)
+
+    wait_for_metric(triton, "auk_vae_tiles_sent_total", before + 1, **labels)
+    audio = triton.metric("auk_vae_audio_seconds_total", **labels) - audio_before
+    assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
 
 
 def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(triton, http_client):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -46,13 +47,30 @@ def wants_pcm16(request) -> bool:
 
 
 class DecodeMetrics:
-    """The model's counters on Triton's metrics port; no-ops where the backend has no MetricFamily."""
+    """The model's counters on Triton's metrics port; no-ops where the backend has no MetricFamily.
+
+    Every counter update is a round trip to the server process, about a tenth of
+    a millisecond. Made inline, a request's updates delayed the offline model's
+    response (its `execute` returns it) and a streaming client's next request.
+    So `record` only adds to sums in this process, and a reporter thread sends
+    them REPORT_DELAY_S after a request ends (on a GPU, the next request is
+    decoding by then), each counter once however many tiles and requests it
+    covers. The counters trail the responses by about that much; `close` sends
+    what is left.
+    """
+
+    REPORT_DELAY_S = 0.005
 
     def __init__(self, labels: dict[str, str]):
         self._families = []
         self._tiles = self._audio = self._captures = self._retired = self._send = None
         self._seconds: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._pending = self._nothing_pending()
         self._seen_captures = self._seen_retired = 0
+        self._wake = threading.Event()
+        self._closing = False
+        self._reporter = None
         family_cls = getattr(pb_utils, "MetricFamily", None)
         if family_cls is None:
             log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
@@ -89,30 +107,67 @@ class DecodeMetrics:
             log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
             self._tiles = self._audio = self._captures = self._retired = self._send = None
-
-    def tile(self, tier: str | None, seconds: float, audio_seconds: float) -> None:
-        if self._tiles is None:
             return
-        self._tiles.increment(1)
-        self._audio.increment(audio_seconds)
-        metric = self._seconds.get(tier or "eager")
-        if metric is not None:
-            metric.increment(seconds)
+        self._reporter = threading.Thread(target=self._report_until_closed, name="auk-metrics", daemon=True)
+        self._reporter.start()
 
-    def sent(self, seconds: float) -> None:
-        if self._send is not None and seconds > 0:
-            self._send.increment(seconds)
+    @staticmethod
+    def _nothing_pending() -> dict:
+        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0,
+                "seconds": dict.fromkeys(TIERS, 0.0)}
 
-    def graphs(self, graph: AuKVAEDecodeGraph) -> None:
-        """Bring the capture and retirement counters up to the graph wrapper's own."""
-        if self._captures is None:
+    def record(self, decoded: list, send_seconds: float, graph: AuKVAEDecodeGraph) -> None:
+        """Add one request's tiles ((tier, seconds, audio seconds) each), send time and the
+        graph wrapper's capture counts to what the reporter sends next."""
+        if self._reporter is None:
             return
-        if graph.captures > self._seen_captures:
-            self._captures.increment(graph.captures - self._seen_captures)
-            self._seen_captures = graph.captures
-        if graph.generations_retired > self._seen_retired:
-            self._retired.increment(graph.generations_retired - self._seen_retired)
-            self._seen_retired = graph.generations_retired
+        with self._lock:
+            pending = self._pending
+            for tier, seconds, audio_seconds in decoded:
+                pending["tiles"] += 1
+                pending["audio"] += audio_seconds
+                pending["seconds"][tier or "eager"] += seconds
+            pending["send"] += send_seconds
+            pending["captures"] += graph.captures - self._seen_captures
+            pending["retired"] += graph.generations_retired - self._seen_retired
+            self._seen_captures, self._seen_retired = graph.captures, graph.generations_retired
+        self._wake.set()
+
+    def _report_until_closed(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closing:
+                return
+            time.sleep(self.REPORT_DELAY_S)  # let the response reach its client first
+            self._report()
+
+    def _report(self) -> None:
+        with self._lock:
+            self._wake.clear()
+            pending, self._pending = self._pending, self._nothing_pending()
+        increments = [
+            (self._tiles, pending["tiles"]),
+            (self._audio, pending["audio"]),
+            (self._send, pending["send"]),
+            (self._captures, pending["captures"]),
+            (self._retired, pending["retired"]),
+        ] + [(self._seconds[tier], seconds) for tier, seconds in pending["seconds"].items()]
+        try:
+            for metric, amount in increments:
+                if amount > 0:
+                    metric.increment(amount)
+        except Exception as err:  # the server is shutting down
+            log("warn", f"could not update the model's metrics: {err}")
+
+    def close(self) -> None:
+        """Stop the reporter and send what it has not."""
+        if self._reporter is None:
+            return
+        self._closing = True
+        self._wake.set()
+        self._reporter.join()
+        self._reporter = None
+        self._report()
 
 
 class TritonPythonModel:
@@ -164,7 +219,7 @@ class TritonPythonModel:
         began = time.perf_counter()
         self.graph.warmup(self.device, on_bucket=on_bucket)
         self.metrics = DecodeMetrics({"model": self.name, "version": str(args["model_version"])})
-        self.metrics.graphs(self.graph)
+        self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         self.frame_rate = self.vae.sample_rate / self.vae.hop_size
         log(
             "info",
@@ -218,21 +273,14 @@ class TritonPythonModel:
         On a GPU the next tile's decode is launched before a tile is yielded, so the
         GPU decodes it while this one is sent (a send waits for the server to write
         the response to the client's socket). Appends (tier, seconds, audio seconds)
-        per tile to `decoded`; the caller reports them to the metrics once the
-        response is complete, because every metric update is a round trip to the
-        server process that would otherwise sit between a tile and its delivery.
+        per tile to `decoded`; the caller records them for the metrics once the
+        response is complete.
         """
         hop, rate = self.vae.hop_size, self.vae.sample_rate
         convert = to_pcm16 if pcm16 else None
         for tile in self.graph.host_tiles(latents, convert, look_ahead=latents.is_cuda):
             decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
             yield tile.start_frame * hop, tile.samples
-
-    def _report(self, decoded: list, send_seconds: float = 0.0) -> None:
-        for tier, seconds, audio_seconds in decoded:
-            self.metrics.tile(tier, seconds, audio_seconds)
-        self.metrics.sent(send_seconds)
-        self.metrics.graphs(self.graph)
 
     def _respond(self, request):
         decoded = []
@@ -252,7 +300,7 @@ class TritonPythonModel:
             log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
             return error_response(f"decode failed: {type(err).__name__}: {err}")
         finally:
-            self._report(decoded)
+            self.metrics.record(decoded, 0.0, self.graph)
 
     def _stream(self, request) -> None:
         """Send one response per tile, the last one with the final flag.
@@ -304,9 +352,11 @@ class TritonPythonModel:
                 except Exception as send_err:  # the client is gone
                     log("error", f"{self.name}: could not send the error response: {send_err}")
         finally:
-            self._report(decoded, send_seconds)
+            self.metrics.record(decoded, send_seconds, self.graph)
 
     def finalize(self):
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         self.graph = self.vae = self.metrics = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
