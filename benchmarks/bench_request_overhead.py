@@ -33,7 +33,8 @@ Every response must equal the way's first, and the first is compared with the
 in-process decode. Weights are synthetic (seeded, not real audio).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --seconds 10
-    PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --device cpu --preset small --seconds 1 --reps 5 --rounds 2
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py \
+        --device cpu --preset small --seconds 1 --reps 5 --rounds 2   # a check that it runs
 """
 
 import argparse

@@ -188,7 +188,8 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
                AUK_MODELS=",".join(models))
-    argv, env = server_command(model_repository, ports=ports, env=env, extra_args=["--exit-timeout-secs=5", *extra_args])
+    argv, env = server_command(model_repository, ports=ports, env=env,
+                               extra_args=["--exit-timeout-secs=5", *extra_args])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"127.0.0.1:{ports['grpc']}"
