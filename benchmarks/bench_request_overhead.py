@@ -85,7 +85,7 @@ class Client:
         np.ndarray(latents.shape, np.float32, buffer=self.regions["in"].buf)[:] = latents
         self.tag = tag
         self.grpc_client = grpcclient.InferenceServerClient(grpc_url)
-        self.http_url, self.http_client = http_url, None
+        self.http_url, self.http, self.http_client = http_url, None, None  # made at the first HTTP request
         for key, region in self.regions.items():
             self.grpc_client.register_system_shared_memory(f"{tag}_{key}", f"/{tag}_{key}", region.size)
         self.responses = queue.Queue()
