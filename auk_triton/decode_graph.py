@@ -46,7 +46,9 @@ class HostTile(NamedTuple):
     start_frame: int  # the clip frame of its first sample
     samples: torch.Tensor  # [samples], host memory
     mode: str | None  # the tier that decoded it: compiled, graph, eager
-    seconds: float  # from its decode's launch to its samples on the host
+    # Time spent here launching its decode and waiting for its samples on the host; not the
+    # caller's time between tiles, during which a look-ahead decode may run on the GPU.
+    seconds: float
 
 
 def plan_tiles(
@@ -229,17 +231,20 @@ class AuKVAEDecodeGraph:
         tiles = self.decode_tiles(latents)
         began = time.perf_counter()
         item = next(tiles, None)
+        launch_seconds = time.perf_counter() - began
         mode = self.last_mode
         while item is not None:
             start_frame, wave = item
+            began = time.perf_counter()
             samples = wave[0] if convert is None else convert(wave[0])
             host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=samples.is_cuda)
             host.copy_(samples)  # waits for this window's decode
-            tile = HostTile(start_frame, host, mode, time.perf_counter() - began)
+            tile = HostTile(start_frame, host, mode, launch_seconds + time.perf_counter() - began)
             if not look_ahead:
                 yield tile
             began = time.perf_counter()
             item = next(tiles, None)  # launches the next window's decode
+            launch_seconds = time.perf_counter() - began
             mode = self.last_mode
             if look_ahead:
                 yield tile

@@ -25,7 +25,8 @@ Environment:
   `configs/gpu.pbtxt` (KIND_GPU instances) through `--model-config-name`;
   `auto` picks it when torch sees a CUDA device.
 - `AUK_MODELS`: comma-separated models to load (default: all of them).
-- `AUK_CHECKPOINT`, `AUK_PRESET`: read by the models (see README).
+- `AUK_CHECKPOINT`, `AUK_PRESET`: read by the models (see README). A relative
+  `AUK_CHECKPOINT` is taken relative to the directory the server starts in.
 """
 
 from __future__ import annotations
@@ -117,6 +118,18 @@ def _wants_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+def _port_from_env(env: dict[str, str], kind: str, default: int) -> int:
+    """The port AUK_<KIND>_PORT names, else `default`."""
+    name = f"AUK_{kind.upper()}_PORT"
+    value = env.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} is {value!r}; it must be a port number such as {default}") from None
+
+
 def server_command(
     model_repository: Path | None = None,
     *,
@@ -133,9 +146,13 @@ def server_command(
     env = dict(os.environ if env is None else env)
     ports = dict(ports or {})
     for kind, default in DEFAULT_PORTS.items():
-        ports.setdefault(kind, int(env.get(f"AUK_{kind.upper()}_PORT") or default))
+        if kind not in ports:
+            ports[kind] = _port_from_env(env, kind, default)
     repository = Path(model_repository).absolute() if model_repository else default_model_repository()
     env.setdefault("AUK_CACHE_DIR", str(cache_dir()))
+    # A relative AUK_CHECKPOINT means the directory the server is started from, for every model.
+    if env.get("AUK_CHECKPOINT", "").strip():
+        env["AUK_CHECKPOINT"] = os.path.abspath(env["AUK_CHECKPOINT"].strip())
     argv = [
         str(tritonserver_executable()),
         f"--model-repository={repository}",

@@ -36,9 +36,11 @@ Run (H200, ~3-4 minutes: two Inductor compiles of the 512-frame bucket):
 Options: --buckets 128 512 (compile the 128 bucket too, ~+80 s), --max-autotune
 (torch.compile(mode="max-autotune") of the eager decode at 512 frames, minutes),
 --skip-decode (per-shape part only), --skip-per-shape, --sines (per shape, each
-way of evaluating sin^2 with its distance from eager), --first-windows 0 64 128
-(time to the first tile of a 60 s clip per first window, with the fused compiled
-buckets; each window must be one of --buckets).
+way of evaluating sin^2 with its distance from eager), --first-windows (time to
+the first tile of a 60 s clip per first window, 0: none, with the fused compiled
+buckets; every nonzero window must be one of --buckets), e.g.
+
+    PYTHONPATH=. python3 benchmarks/bench_fused_activation.py --buckets 64 128 512 --first-windows 0 64 128
 """
 
 import argparse
@@ -356,7 +358,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--max-autotune", action="store_true")
     parser.add_argument("--first-windows", type=int, nargs="*", default=[],
-                        help="first windows (frames; 0: none) to time on a long clip; each must be a bucket")
+                        help="first windows (frames; 0: none) to time on a long clip; each nonzero one must "
+                             "be one of --buckets")
     parser.add_argument("--long-seconds", type=float, default=60.0)
     parser.add_argument("--channels-last", action="store_true",
                         help="also the decode on channels-last signals (eager, plain graph, compiled buckets)")
@@ -365,6 +368,9 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-per-shape", action="store_true")
     args = parser.parse_args()
+    missing = sorted({window for window in args.first_windows if window} - set(args.buckets))
+    if missing:
+        parser.error(f"--first-windows {missing} must be compiled buckets: add them to --buckets {args.buckets}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     say(

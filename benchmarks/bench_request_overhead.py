@@ -1,4 +1,4 @@
-"""Where a one-tile request's time goes beyond its decode, way by way.
+r"""Where a one-tile request's time goes beyond its decode, way by way.
 
 One client on the server's host sends the same clip (one window: at most
 10.24 s) back to back and asks for WAVEFORM_PCM16, five ways:
@@ -32,7 +32,7 @@ CLOCK_MONOTONIC on one host, split every request into four parts:
 Every response must equal the way's first, and the first is compared with the
 in-process decode. Weights are synthetic (seeded, not real audio).
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --seconds 10
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --device cuda --seconds 10
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py \
         --device cpu --preset small --seconds 1 --reps 5 --rounds 2   # a check that it runs
 """
@@ -168,7 +168,7 @@ def parts_ms(sent_ns: int, done_ns: int, stamps: dict[str, int]) -> dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="auk")
-    parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"), help="where both decodes run")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where both decodes run")
     parser.add_argument("--seconds", type=float, default=10, help=f"clip length (one tile: at most {BUCKET / 50} s)")
     parser.add_argument("--reps", type=int, default=40, help="timed requests per way and round")
     parser.add_argument("--rounds", type=int, default=3, help="round 0 warms every way up and is left out")
@@ -179,11 +179,11 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="auk-overhead-"))
     checkpoint = write_synthetic_checkpoint(work / "checkpoint", args.preset)
-    cuda = args.device == "gpu"
+    cuda = args.device == "cuda"
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"# One-tile requests through the server, {args.preset} (synthetic), {where}, {datetime.date.today()}",
           flush=True)
-    local, references = in_process(checkpoint, [args.seconds], args.reps, BUCKET, "cuda" if cuda else "cpu",
+    local, references = in_process(checkpoint, [args.seconds], args.reps, BUCKET, args.device,
                                    ["pcm16"], args.seconds, [BUCKET])
     decode_ms = local["pcm16"][args.seconds][1]
     reference = references["pcm16"]
@@ -191,7 +191,8 @@ def main() -> None:
 
     trace = work / "trace.json"
     process, grpc_url, http_url, metrics_url = start_server(
-        checkpoint, work / "cache", work / "tritonserver.log", models=(MODEL, OFFLINE_MODEL), device=args.device,
+        checkpoint, work / "cache", work / "tritonserver.log", models=(MODEL, OFFLINE_MODEL),
+        device="gpu" if cuda else "cpu",
         model_repository=model_repository_with_buckets([BUCKET], work / "model_repository"),
         extra_args=[f"--trace-config=triton,file={trace}", "--trace-config=level=TIMESTAMPS",
                     "--trace-config=rate=1", "--trace-config=count=-1"])

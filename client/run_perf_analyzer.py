@@ -21,7 +21,7 @@ What it does:
    - `auk_vae_decode` with `-i grpc --streaming` (decoupled: one response
      per tile). The latency perf_analyzer 2.50 reports for it is the time to
      the LAST response (the whole clip), despite its "using the first
-     response" banner, so a second, short pass (`--request-count`) exports
+     response" banner, so a second, short pass (`--first-audio-requests`) exports
      every response's timestamp (`--profile-export-file`) and the time to
      first audio is computed from those.
    - `auk_vae_decode_offline` over HTTP (one response with the whole clip).

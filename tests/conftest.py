@@ -88,6 +88,11 @@ def _free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def closed_port() -> int:
+    """A loopback port that nothing listens on: the address of a server that is down."""
+    return _free_ports(1)[0]
+
+
 def copy_model_repository(dest: Path, tile_frames: int | None = TEST_TILE_FRAMES, models=DECODE_MODELS) -> Path:
     """Copy the decode `models` of model_repository/ to `dest`, with `tile_frames` set."""
     source = REPO_ROOT / "model_repository"
@@ -328,6 +333,32 @@ def reference_vae(small_checkpoint):
     from auk_triton.vae import AuKVAE
 
     return AuKVAE.from_pretrained(small_checkpoint)
+
+
+# ---- what the server must send back -----------------------------------------------------
+
+
+def library_tiles(vae, latents, server) -> list:
+    """The library's tiled decode with the server's tile size and first window: (start sample,
+    waveform) per tile."""
+    import torch
+
+    from auk_triton.decode_graph import AuKVAEDecodeGraph
+
+    graph = AuKVAEDecodeGraph(vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames)
+    with torch.no_grad():
+        return [
+            (start * vae.hop_size, wave[0].clone().numpy())
+            for start, wave in graph.decode_tiles(torch.from_numpy(latents)[None])
+        ]
+
+
+def documented_pcm16(wave):
+    """The README's conversion, written out here independently of the code under test:
+    clip to [-1, 1], round(x * 32767) to nearest, ties to even."""
+    import numpy as np
+
+    return np.round(np.clip(wave, -1.0, 1.0).astype(np.float64) * 32767.0).astype(np.int16)
 
 
 def run_in_triton_interpreter(script: str) -> dict:

@@ -10,6 +10,7 @@ match exactly; float32 within 1e-6.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import closed_port, documented_pcm16, library_tiles
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLIENT_DIR = REPO_ROOT / "client"
@@ -42,11 +44,6 @@ def run_client(*args, timeout: float = 300, **kwargs) -> subprocess.CompletedPro
         [sys.executable, "-m", "auk_client.cli", *map(str, args)],
         capture_output=True, timeout=timeout, env=env, **kwargs,
     )
-
-
-def documented_pcm16(x: np.ndarray) -> np.ndarray:
-    """The README's conversion: clip to [-1, 1], round(x * 32767) to nearest (ties to even)."""
-    return np.round(np.clip(x.astype(np.float64), -1.0, 1.0) * 32767.0).astype(np.int16)
 
 
 def assert_pcm16_is_documented_conversion(pcm: np.ndarray, reference: np.ndarray):
@@ -89,19 +86,12 @@ def read_float32_wav(path: Path) -> np.ndarray:
 
 
 def library_decode(checkpoint_dir: Path, latents: np.ndarray, server) -> np.ndarray:
-    """The library's tiled decode with the server's tile size and first window, stitched."""
-    import torch
-
-    from auk_triton.decode_graph import AuKVAEDecodeGraph
+    """The library's tiled decode on the checkpoint the server loaded, stitched into one clip."""
     from auk_triton.vae import AuKVAE
 
-    vae = AuKVAE.from_pretrained(checkpoint_dir)
-    graph = AuKVAEDecodeGraph(vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames)
     out = np.zeros(latents.shape[0] * HOP, dtype=np.float32)
-    with torch.no_grad():
-        for start, wave_ in graph.decode_tiles(torch.from_numpy(latents)[None]):
-            piece = wave_[0].numpy()
-            out[start * HOP:start * HOP + piece.size] = piece
+    for start, piece in library_tiles(AuKVAE.from_pretrained(checkpoint_dir), latents, server):
+        out[start:start + piece.size] = piece
     return out
 
 
@@ -113,14 +103,19 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def clip(tmp_path_factory, triton_server):
-    """Latents of several tiles saved as [1, frames, 64], and the library's decode of them."""
-    folder = tmp_path_factory.mktemp("client")
-    latents = np.random.default_rng(11).standard_normal((CLIP_FRAMES, 64)).astype(np.float32)
-    path = folder / "latents.npy"
-    np.save(path, latents[None])
+def latents_file(tmp_path_factory) -> Path:
+    """Latents of several tiles saved as [1, frames, 64]; needs no server."""
+    path = tmp_path_factory.mktemp("latents") / "latents.npy"
+    np.save(path, np.random.default_rng(11).standard_normal((1, CLIP_FRAMES, 64)).astype(np.float32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory, latents_file, triton_server):
+    """The latents file, its latents, and the library's decode of them."""
+    latents = np.load(latents_file)[0]
     reference = library_decode(triton_server.checkpoint_dir, latents, triton_server)
-    return folder, path, latents, reference
+    return tmp_path_factory.mktemp("client"), latents_file, latents, reference
 
 
 @pytest.fixture(scope="module")
@@ -141,23 +136,21 @@ def test_the_streamed_pcm16_wav_holds_the_library_decode_converted_as_documented
     assert_pcm16_is_documented_conversion(pcm, reference)
 
 
-def test_raw_stdout_carries_exactly_the_samples_of_the_wav(clip, streamed):
-    _, _, _, reference = clip
+def test_raw_stdout_carries_exactly_the_samples_of_the_wav(streamed):
     proc, wav = streamed
     raw = np.frombuffer(proc.stdout, dtype="<i2")
     assert raw.size == CLIP_FRAMES * HOP, "stdout holds nothing but the PCM"
     np.testing.assert_array_equal(raw, read_pcm16_wav(wav))
-    assert_pcm16_is_documented_conversion(raw, reference)
 
 
 def test_the_summary_reports_first_audio_total_time_audio_seconds_speed_and_several_tiles(streamed):
     proc, _ = streamed
     summary = proc.stderr.decode()
-    for label in ("time to first audio", "total time", "audio", "real time", "tiles received"):
+    for label in ("time to first audio", "total time", "real time", "tiles received"):
         assert label in summary, summary
+    assert re.search(r"^  audio +6\.000 s \(144000 samples at 24000 Hz\)$", summary, re.MULTILINE), summary
     tiles = int(summary.split("tiles received")[1].split()[0])
     assert tiles >= 3, "a 6 s clip spans several tiles at the fixture's tile size"
-    assert "6.000 s" in summary
 
 
 def test_float32_wav_matches_the_library_decode_within_1e_6(clip, triton_server, tmp_path):
@@ -240,21 +233,15 @@ def test_a_file_that_is_not_npy_is_refused_in_one_line(tmp_path):
     assert "cannot read" in one_error_line(proc)
 
 
-def _dead_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_a_dead_grpc_server_gives_one_line_and_a_non_zero_exit(clip, tmp_path):
-    proc = run_client(clip[1], "--url", f"127.0.0.1:{_dead_port()}", "-o", tmp_path / "x.wav", timeout=60)
+def test_a_dead_grpc_server_gives_one_line_and_a_non_zero_exit(latents_file, tmp_path):
+    proc = run_client(latents_file, "--url", f"127.0.0.1:{closed_port()}", "-o", tmp_path / "x.wav", timeout=60)
     assert proc.returncode == 1
     assert "cannot reach Triton over gRPC" in one_error_line(proc)
     assert not (tmp_path / "x.wav").exists()
 
 
-def test_a_dead_http_server_gives_one_line_and_a_non_zero_exit(clip, tmp_path):
-    proc = run_client(clip[1], "--http", "--http-url", f"127.0.0.1:{_dead_port()}", timeout=60)
+def test_a_dead_http_server_gives_one_line_and_a_non_zero_exit(latents_file, tmp_path):
+    proc = run_client(latents_file, "--http", "--http-url", f"127.0.0.1:{closed_port()}", timeout=60)
     assert proc.returncode == 1
     assert "cannot reach Triton over HTTP" in one_error_line(proc)
 
@@ -272,14 +259,14 @@ def test_latents_of_the_wrong_width_come_back_as_the_servers_error_in_one_line(t
     assert not wav.exists(), "no half-written WAV is left behind"
 
 
-def test_an_unknown_model_name_gives_one_line_and_a_non_zero_exit(clip, triton_server):
-    proc = run_client(clip[1], "--url", triton_server.grpc_url, "--model", "no_such_model")
+def test_an_unknown_model_name_gives_one_line_and_a_non_zero_exit(latents_file, triton_server):
+    proc = run_client(latents_file, "--url", triton_server.grpc_url, "--model", "no_such_model")
     assert proc.returncode == 1
     assert "no_such_model" in one_error_line(proc)
 
 
 @pytest.mark.parametrize("mode", ["grpc", "http"])
-def test_a_server_that_never_answers_times_out_in_one_line(clip, tmp_path, mode):
+def test_a_server_that_never_answers_times_out_in_one_line(latents_file, tmp_path, mode):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -300,7 +287,7 @@ def test_a_server_that_never_answers_times_out_in_one_line(clip, tmp_path, mode)
     target = ["--url", url] if mode == "grpc" else ["--http", "--http-url", url]
     try:
         started = time.monotonic()
-        proc = run_client(clip[1], *target, "--timeout", "2", "-o", tmp_path / "x.wav", timeout=60)
+        proc = run_client(latents_file, *target, "--timeout", "2", "-o", tmp_path / "x.wav", timeout=60)
         took = time.monotonic() - started
     finally:
         stop.set()
@@ -313,10 +300,28 @@ def test_a_server_that_never_answers_times_out_in_one_line(clip, tmp_path, mode)
     assert took < 30
 
 
-def test_giving_both_a_file_and_seconds_is_a_usage_error(clip):
-    proc = run_client(clip[1], "--seconds", "1")
+def test_giving_both_a_file_and_seconds_is_a_usage_error(latents_file):
+    proc = run_client(latents_file, "--seconds", "1")
     assert proc.returncode == 2
     assert "either" in one_error_line(proc)
+
+
+@pytest.mark.parametrize("option, value", [("--seed", "-1"), ("--latent-dim", "0"), ("--latent-dim", "-64")])
+def test_a_negative_seed_or_a_latent_dim_below_1_is_a_usage_error_naming_the_option(tmp_path, option, value):
+    wav = tmp_path / "never.wav"
+    proc = run_client("--seconds", "1", option, value, "--url", f"127.0.0.1:{closed_port()}", "-o", wav, timeout=60)
+    assert proc.returncode == 2
+    assert option in one_error_line(proc)
+    assert not wav.exists()
+
+
+@pytest.mark.parametrize("seconds", ["-1", "0", "nan"])
+def test_seconds_that_are_not_positive_are_a_usage_error_even_with_no_server_to_ask(tmp_path, seconds):
+    wav = tmp_path / "never.wav"
+    proc = run_client("--seconds", seconds, "--url", f"127.0.0.1:{closed_port()}", "-o", wav, timeout=60)
+    assert proc.returncode == 2
+    assert "--seconds must be a positive number" in one_error_line(proc)
+    assert not wav.exists()
 
 
 # ---- the sinks, without a server -----------------------------------------------------

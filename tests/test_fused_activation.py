@@ -5,7 +5,11 @@ FIR taps, as a checkpoint may store them), computes the eager `Activation1d`
 and the Triton kernel, and requires a relative L2 error of at most 1e-5 over
 the whole output and over each clip edge (where the replicate padding acts).
 The kernel writes into a NaN-poisoned output, which must come back finite, and
-the traceable op's own output must equal it bit for bit.
+the traceable op's own output must equal it bit for bit. Every case must be one
+the kernel supports: otherwise `fused_activation` falls back to the eager module
+and would match it trivially. That fallback is checked on its own (unsupported
+inputs give the eager result and launch nothing), and the whole-decode tests
+count the kernel's launches.
 
 Where the kernel runs:
 - With CUDA: on the GPU, at the real shapes (channels 24..768, lengths up to
@@ -25,6 +29,7 @@ import importlib.util
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -125,7 +130,7 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def run_case(case, device: str, seed: int) -> dict:
     """Eager vs fused for one case; returns the errors (and whether the poisoned output came back finite)."""
     from auk_triton.activations import Activation1d
-    from auk_triton.fused_activation import empty_like_layout, fused_activation
+    from auk_triton.fused_activation import empty_like_layout, fused_activation, supports
 
     batch, channels, length, layout, causal, logscale, random_taps, with_bias = case
     generator = torch.Generator().manual_seed(seed)
@@ -143,6 +148,8 @@ def run_case(case, device: str, seed: int) -> dict:
     act = act.to(device)
     x = _input(batch, channels, length, layout, generator, device)
     bias = (torch.randn(channels, generator=generator) * 0.3).to(device) if with_bias else None
+    # Unsupported, fused_activation would fall back to the eager module and match it trivially.
+    assert supports(x, act, bias), f"{_case_id(case)}: the kernel does not support this case"
 
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # the reference in plain fp32
@@ -166,6 +173,25 @@ def run_case(case, device: str, seed: int) -> dict:
         "rel_l2_right_edge": _rel_l2(written[..., -edge:], expected[..., -edge:]),
         "max_abs": (written.double() - expected.double()).abs().max().item(),
     }
+
+
+@contextmanager
+def _counting_launches():
+    """Count the fused kernel's launches while inside (each launch still runs)."""
+    from auk_triton import fused_activation as fa
+
+    launches = []
+    launch = fa._launch
+
+    def counting(*args, **kwargs):
+        launches.append(args[1].shape)
+        return launch(*args, **kwargs)
+
+    fa._launch = counting
+    try:
+        yield launches
+    finally:
+        fa._launch = launch
 
 
 def _check(result: dict) -> None:
@@ -196,6 +222,20 @@ def test_interpreted_kernel_matches_eager(interpreter_results, case):
     _check(result)
 
 
+def test_interpreted_unsupported_inputs_run_the_eager_module_without_a_launch(interpreter_results):
+    result = interpreter_results.get(FALLBACK_ID)
+    assert result is not None, "no result for the fallback"
+    assert "error" not in result, result.get("error")
+    assert result["control_supported"] and result["control_launches"] == 1, (
+        "the same input with a contiguous bias should run the kernel (once)"
+    )
+    assert [case["name"] for case in result["cases"]] == ["float64", "strided bias", "float64, out="]
+    for case in result["cases"]:
+        assert not case["supported"], f"{case['name']}: supports() accepted it"
+        assert case["launches"] == 0, f"{case['name']}: the kernel ran"
+        assert case["equal"], f"{case['name']}: the fallback differs from the eager module"
+
+
 def test_interpreted_op_passes_opcheck_and_traces_to_the_same_result(interpreter_results):
     result = interpreter_results.get(OP_ID)
     assert result is not None, "no result for the op"
@@ -206,7 +246,16 @@ def test_interpreted_op_passes_opcheck_and_traces_to_the_same_result(interpreter
 
 # ---- CUDA ---------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+def gpu(test):
+    """Marked `gpu` (selected by `-m gpu`) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
+
+
+@pytest.fixture
+def kernel_launches():
+    with _counting_launches() as launches:
+        yield launches
 
 
 @gpu
@@ -278,22 +327,26 @@ def _latents(frames: int, seed: int) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
 @pytest.mark.parametrize("frames", [1, 37, 300])
-def test_an_eager_decode_with_the_kernel_matches_eager(small_vaes, frames, layout):
+def test_an_eager_decode_with_the_kernel_matches_eager(small_vaes, kernel_launches, frames, layout):
     reference, fused, channels_last = small_vaes
     decoder = channels_last if layout == "channels-last" else fused
     clip = _latents(frames, frames)
     with torch.no_grad():
-        assert _rel_l2(decoder.decode(clip), reference.decode(clip)) < DECODE_TOLERANCE
+        out = decoder.decode(clip)
+        assert kernel_launches, "the decode never launched the fused kernel"
+        assert _rel_l2(out, reference.decode(clip)) < DECODE_TOLERANCE
 
 
 @gpu
-def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
+def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes, kernel_launches):
     from auk_triton.decode_graph import AuKVAEDecodeGraph
 
     reference, fused, channels_last = small_vaes
     graph = AuKVAEDecodeGraph(fused, compile_shapes=(128,))
     graph.warmup("cuda")
     assert graph.compiled_bucket(128) == 128, "the compiled bucket failed to build (see the warning log)"
+    # Replays skip Python: the launches are counted while the bucket is compiled and captured.
+    assert kernel_launches, "the compiled bucket does not launch the fused kernel"
     for frames, seed in ((128, 0), (100, 1)):
         clip = _latents(frames, seed)
         out = graph(clip)
@@ -303,19 +356,23 @@ def test_a_compiled_bucket_with_the_kernel_is_close_to_eager(small_vaes):
         settled = (frames - fused.decode_context_frames()[1] - 1) * fused.hop_size
         assert _rel_l2(out[:, :settled], expected[:, :settled]) < DECODE_TOLERANCE
     # The channels-last decode (the sliding kernel and NHWC convolutions) in a compiled bucket.
+    kernel_launches.clear()
     graph = AuKVAEDecodeGraph(channels_last, compile_shapes=(128,))
     graph.warmup("cuda")
     assert graph.compiled_bucket(128) == 128, "the channels-last compiled bucket failed to build"
+    assert kernel_launches, "the channels-last compiled bucket does not launch the fused kernel"
     clip = _latents(128, 3)
     out = graph(clip)
     assert graph.last_mode == "compiled"
     with torch.no_grad():
         assert _rel_l2(out, reference.decode(clip)) < DECODE_TOLERANCE
     # A plain graph (eager kernels replayed) with the fused kernel captured in it.
+    kernel_launches.clear()
     plain = AuKVAEDecodeGraph(fused, compile_shapes=())
     clip = _latents(77, 2)
     out = plain(clip)
     assert plain.last_mode == "graph"
+    assert kernel_launches, "the captured graph does not launch the fused kernel"
     with torch.no_grad():
         assert torch.equal(out, fused.decode(clip))
         assert _rel_l2(out, reference.decode(clip)) < DECODE_TOLERANCE
@@ -354,12 +411,57 @@ def check_op() -> dict:
             "channels_last": bool(fa.is_channels_last(traced))}
 
 
+FALLBACK_ID = "unsupported inputs: the eager module"
+
+
+def check_fallback() -> dict:
+    """Inputs the kernel does not take run the eager module instead, and launch nothing.
+
+    Under the interpreter a float32 CPU signal is supported (the control case), so
+    in each case only the named property turns the kernel down: float64 signal and
+    parameters (returned, or written into `out`), or a bias that is not contiguous.
+    """
+    from auk_triton import fused_activation as fa
+    from auk_triton.activations import Activation1d
+
+    torch.manual_seed(4)
+    act = Activation1d(8).requires_grad_(False)
+    act.act.alpha.normal_(0, 0.5)
+    act.act.beta.normal_(0, 0.5)
+    act64 = Activation1d(8).requires_grad_(False).double()
+    act64.load_state_dict(act.state_dict())
+    x = torch.randn(1, 8, 50)
+    x64 = x.double()
+    strided_bias = torch.randn(16)[::2]
+
+    with _counting_launches() as launches, torch.no_grad():
+        fa.fused_activation(x, act, bias=strided_bias.contiguous())
+        result = {"id": FALLBACK_ID, "control_supported": fa.supports(x, act, strided_bias.contiguous()),
+                  "control_launches": len(launches), "cases": []}
+        poisoned = torch.full_like(x64, float("nan"))
+        for name, args, call, expected in (
+            ("float64", (x64, act64, None), lambda: fa.fused_activation(x64, act64), act64(x64)),
+            ("strided bias", (x, act, strided_bias), lambda: fa.fused_activation(x, act, bias=strided_bias),
+             act(x, bias=strided_bias)),
+            ("float64, out=", (x64, act64, None), lambda: fa.fused_activation(x64, act64, out=poisoned),
+             act64(x64)),
+        ):
+            launches.clear()
+            out = call()  # with out=, the poisoned tensor itself
+            result["cases"].append({
+                "name": name, "supported": fa.supports(*args), "launches": len(launches),
+                "equal": bool(out.dtype == expected.dtype and torch.equal(out, expected)),
+            })
+    return result
+
+
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    try:
-        print(json.dumps(check_op()), flush=True)
-    except Exception as err:
-        print(json.dumps({"id": OP_ID, "error": f"{type(err).__name__}: {err}"}), flush=True)
+    for check, check_id in ((check_op, OP_ID), (check_fallback, FALLBACK_ID)):
+        try:
+            print(json.dumps(check()), flush=True)
+        except Exception as err:
+            print(json.dumps({"id": check_id, "error": f"{type(err).__name__}: {err}"}), flush=True)
     failures = 0
     for seed, case in enumerate(INTERPRETER_CASES):
         try:

@@ -13,6 +13,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "client" / "run_perf_analyzer.py"
 SECONDS = (0.5, 3.0)  # 3 s spans two tiles at the fixture's tile size
 CONCURRENCY = (1, 2)
+STREAM_MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
+# The script's default --models runs both, each for every clip length and concurrency.
+RUNS_PER_MODEL = len(SECONDS) * len(CONCURRENCY)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +64,11 @@ def perf_run(triton, perf_analyzer_binary, tmp_path_factory):
 def test_every_model_clip_length_and_concurrency_completes_with_throughput_and_no_failed_requests(perf_run):
     proc, out_dir, rows = perf_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(rows) == 2 * RUNS_PER_MODEL, rows
     combos = {(r["model"], float(r["clip_seconds"]), int(r["concurrency"])) for r in rows}
     assert combos == {
         (model, s, c)
-        for model in ("auk_vae_decode", "auk_vae_decode_offline")
+        for model in (STREAM_MODEL, OFFLINE_MODEL)
         for s in SECONDS
         for c in CONCURRENCY
     }
@@ -82,8 +86,9 @@ def test_every_model_clip_length_and_concurrency_completes_with_throughput_and_n
 
 def test_perf_analyzer_writes_its_own_csv_for_every_run(perf_run):
     _, out_dir, rows = perf_run
+    assert len(rows) == 2 * RUNS_PER_MODEL, "summary.csv is missing or short"
     for r in rows:
-        kind = "stream" if r["model"] == "auk_vae_decode" else "offline"
+        kind = "stream" if r["model"] == STREAM_MODEL else "offline"
         path = out_dir / f"{kind}_{float(r['clip_seconds']):g}s_c{r['concurrency']}.csv"
         with open(path, newline="") as f:
             pa_rows = list(csv.DictReader(f))
@@ -94,8 +99,10 @@ def test_perf_analyzer_writes_its_own_csv_for_every_run(perf_run):
 
 def test_streaming_rows_carry_time_to_first_audio_measured_before_the_clip_is_done(perf_run):
     _, _, rows = perf_run
+    assert sum(r["model"] == STREAM_MODEL for r in rows) == RUNS_PER_MODEL
+    assert sum(r["model"] == OFFLINE_MODEL for r in rows) == RUNS_PER_MODEL
     for r in rows:
-        if r["model"] != "auk_vae_decode":
+        if r["model"] != STREAM_MODEL:
             assert r["first_audio_p50_ms"] == ""
             continue
         # perf_analyzer exports the requests it counted in its window: on a busy

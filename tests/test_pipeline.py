@@ -8,7 +8,7 @@ import wave
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, copy_model_repository, start_triton
+from conftest import REPO_ROOT, closed_port, copy_model_repository, start_triton
 
 pytest.importorskip("tritonclient.grpc")
 from auk_client.pipeline import generate_latents, main as pipeline_main, random_prompt_embeds, stream_pipeline  # noqa: E402
@@ -152,6 +152,42 @@ def test_cli_writes_the_streamed_audio(pipeline_server, tmp_path, capsys):
     with wave.open(str(out)) as wav:
         assert wav.getframerate() == 24000 and wav.getnchannels() == 1 and wav.getnframes() == 25 * HOP
     assert "stand-in" in capsys.readouterr().err
+
+
+def one_pipeline_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {lines}"
+    assert lines[0].startswith("auk-client pipeline: error: "), lines[0]
+    return lines[0]
+
+
+def test_cli_leaves_no_wav_behind_when_the_server_refuses_the_request(pipeline_server, tmp_path, capsys):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--steps", "5000", "--url", pipeline_server.grpc_url, "-o", str(out),
+    ])
+    assert status == 1
+    assert "max_steps" in one_pipeline_error_line(capsys)
+    assert not out.exists()
+
+
+def test_cli_reports_an_unwritable_output_path_in_one_line_as_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "no_such_folder" / "gen.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert f"cannot write {out}" in one_pipeline_error_line(capsys)
+
+
+def test_cli_refuses_a_negative_seed_in_one_line_naming_the_option(tmp_path, capsys):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--seed", "-1", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert "--seed" in one_pipeline_error_line(capsys)
+    assert not out.exists()
 
 
 def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_path, small_checkpoint):

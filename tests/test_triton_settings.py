@@ -10,7 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from auk_triton.serving.settings import DecodeSettings, RequestError, validate_latents
+from auk_triton.serving.settings import (
+    DecodeSettings,
+    RequestError,
+    bool_parameter,
+    cache_dir_path,
+    checkpoint_path,
+    config_parameters,
+    int_parameter,
+    validate_latents,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +45,7 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
 
 
 def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
-    for model in ("auk_vae_decode", "auk_vae_decode_offline"):
+    for model in ("auk_vae_decode", "auk_vae_decode_offline", "auk_dit"):
         folder = REPO_ROOT / "model_repository" / model
 
         def body(path: Path) -> str:
@@ -53,6 +62,50 @@ def test_auk_checkpoint_overrides_the_parameter_and_relative_parameters_follow_t
     assert settings.tile_frames == 0
     settings = DecodeSettings.from_model_config(config, tmp_path, environ={"AUK_CHECKPOINT": "/ckpt"})
     assert settings.checkpoint == "/ckpt"
+
+
+def test_a_relative_auk_checkpoint_is_taken_from_the_working_directory_by_every_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    environ = {"AUK_CHECKPOINT": "ckpt"}
+    config = {"parameters": {"checkpoint": {"string_value": "weights"}}}
+    decoder = DecodeSettings.from_model_config(config, tmp_path / "auk_vae_decode", environ=environ).checkpoint
+    dit = checkpoint_path(config_parameters(config), tmp_path / "auk_dit", environ)
+    assert decoder == dit == str(Path.cwd() / "ckpt")
+
+
+def test_a_relative_checkpoint_parameter_is_taken_from_the_model_folder(tmp_path):
+    model_dir = tmp_path / "auk_dit"
+    assert checkpoint_path({"checkpoint": "weights"}, model_dir, environ={}) == str(model_dir / "weights")
+    assert checkpoint_path({"checkpoint": "/weights"}, model_dir, environ={}) == "/weights"
+    assert checkpoint_path({"checkpoint": ""}, model_dir, environ={}) == "", "neither set: the synthetic preset"
+
+
+def test_a_relative_cache_dir_parameter_is_taken_from_the_model_folder_before_auk_cache_dir(tmp_path):
+    model_dir = tmp_path / "auk_dit"
+    environ = {"AUK_CACHE_DIR": "/elsewhere"}
+    assert cache_dir_path({"cache_dir": "cache"}, model_dir, environ) == model_dir / "cache"
+    assert cache_dir_path({"cache_dir": ""}, model_dir, environ) == Path("/elsewhere")
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("1", True), ("true", True), ("Yes", True), ("ON", True), ("0", False), ("false", False), ("no", False),
+     ("Off", False), ("", True)],
+)
+def test_every_model_reads_the_same_boolean_spellings(text, value, tmp_path):
+    params = {"enable_cuda_graphs": text}
+    assert bool_parameter(params, "enable_cuda_graphs", True) is value  # as auk_dit reads it
+    config = {"parameters": {"enable_cuda_graphs": {"string_value": text}}}
+    assert DecodeSettings.from_model_config(config, tmp_path, environ={}).enable_cuda_graphs is value
+
+
+def test_a_bad_parameter_value_fails_naming_the_parameter_and_the_value():
+    with pytest.raises(ValueError, match="max_steps is 'many'; it must be an integer"):
+        int_parameter({"max_steps": "many"}, "max_steps", 1000, 1)
+    with pytest.raises(ValueError, match="max_graphs is -1; it must be at least 0"):
+        int_parameter({"max_graphs": "-1"}, "max_graphs", 4, 0)
+    with pytest.raises(ValueError, match="enable_cuda_graphs is 'Maybe'; use true or false"):
+        bool_parameter({"enable_cuda_graphs": "Maybe"}, "enable_cuda_graphs", True)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +128,7 @@ def test_a_bad_config_parameter_fails_the_load_naming_it(name, value, words, tmp
 
 @pytest.mark.parametrize(
     "shapes, first_tile, window",
-    [("32,128,256,512", "", 32), ("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("", "", None)],
+    [("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("", "", None)],
 )
 def test_the_first_window_is_the_smallest_bucket_unless_configured(shapes, first_tile, window, tmp_path):
     params = {"compile_shapes": {"string_value": shapes}, "first_tile_frames": {"string_value": first_tile}}
@@ -122,6 +175,28 @@ def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on
     assert f"/{sys.version_info.major}.{sys.version_info.minor}/" in os.readlink(backend / "triton_python_backend_stub")
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     assert env["AUK_CACHE_DIR"] == str(tmp_path)
+
+
+def test_a_port_that_is_not_a_number_fails_naming_its_variable(tmp_path):
+    server = pytest.importorskip("auk_triton.server")
+    with pytest.raises(ValueError, match="AUK_GRPC_PORT is '80o1'; it must be a port number"):
+        server.server_command(
+            REPO_ROOT / "model_repository",
+            env={"PATH": "/usr/bin", "AUK_GRPC_PORT": "80o1", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"},
+        )
+
+
+def test_the_launcher_hands_the_models_a_relative_auk_checkpoint_as_an_absolute_path(tmp_path, monkeypatch):
+    server = pytest.importorskip("auk_triton.server")
+    monkeypatch.chdir(tmp_path)
+    try:
+        _, env = server.server_command(
+            REPO_ROOT / "model_repository",
+            env={"PATH": "/usr/bin", "AUK_CHECKPOINT": "ckpt", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"},
+        )
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    assert env["AUK_CHECKPOINT"] == str(Path.cwd() / "ckpt")
 
 
 @pytest.mark.parametrize(

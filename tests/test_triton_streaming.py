@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph, plan_tiles
+from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, plan_tiles
+from conftest import documented_pcm16, library_tiles
 
 HOP = 480
 STREAM_MODEL = "auk_vae_decode"
@@ -22,17 +23,6 @@ OFFLINE_MODEL = "auk_vae_decode_offline"
 
 def make_latents(frames: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
-
-
-def library_tiles(vae, latents: np.ndarray, server) -> list[tuple[int, np.ndarray]]:
-    """The library's tiled decode with the server's tile size and first window: (start sample,
-    waveform) per tile."""
-    graph = AuKVAEDecodeGraph(vae, tile_frames=server.tile_frames, first_tile_frames=server.first_tile_frames)
-    with torch.no_grad():
-        return [
-            (start * vae.hop_size, wave[0].clone().numpy())
-            for start, wave in graph.decode_tiles(torch.from_numpy(latents)[None])
-        ]
 
 
 def assert_tiles_match(got: list[tuple[int, np.ndarray]], expected: list[tuple[int, np.ndarray]]) -> None:
@@ -166,11 +156,6 @@ def test_the_offline_model_over_http_returns_the_whole_waveform_the_stream_gives
     assert len(streamed.tiles) > 1
     # The same tiled decode path: identical samples.
     np.testing.assert_array_equal(waveform, streamed.waveform())
-
-
-def documented_pcm16(wave: np.ndarray) -> np.ndarray:
-    """The README's conversion, written out here: clip to [-1, 1], round(x * 32767), half to even."""
-    return np.round(np.clip(wave, -1.0, 1.0).astype(np.float64) * 32767.0).astype(np.int16)
 
 
 def test_a_stream_asking_for_pcm16_gets_int16_tiles_that_are_the_documented_conversion_of_the_float_tiles(

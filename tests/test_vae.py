@@ -54,6 +54,14 @@ def test_encode_samples_around_the_mean_when_given_a_generator(tiny):
     again = tiny.encode(wav, generator=torch.Generator().manual_seed(3))
     assert torch.equal(first, again)
     assert not torch.allclose(first, mean)
+    # The posterior's std is exp(log-std) (the encoder head's second half) in raw units,
+    # divided by sqrt(global_log_std) in the normalized latents encode returns.
+    with torch.no_grad():
+        log_std = tiny.audio_encoder(wav.unsqueeze(1)).chunk(2, dim=1)[1]
+    std = (log_std.exp() / tiny.global_log_std.sqrt().view(1, -1, 1)).transpose(1, 2)[:, : mean.shape[1]]
+    z = (first - mean) / std  # 80 standard normal draws
+    assert z.abs().max() < 5
+    assert 0.7 < z.pow(2).mean().sqrt() < 1.3
 
 
 def test_from_pretrained_is_ready_for_inference(tiny):
@@ -162,11 +170,14 @@ def test_checkpoint_round_trips_through_the_released_layout(tmp_path, small, sma
     torch.testing.assert_close(reloaded.decode(latents), small.decode(latents), atol=1e-6, rtol=0)
 
 
-def test_flow_tensors_are_skipped(tmp_path, small_dir):
+def test_flow_tensors_are_skipped(tmp_path, small, small_dir):
     def add_flow(state):
         state["flow.coupling.0.weight"] = torch.ones(3, 3)
 
-    AuKVAE.from_pretrained(_copy_checkpoint(small_dir, tmp_path / "flow", add_flow))
+    with_flow = AuKVAE.from_pretrained(_copy_checkpoint(small_dir, tmp_path / "flow", add_flow))
+    assert "flow.coupling.0.weight" in load_file(tmp_path / "flow" / "vae.safetensors")
+    latents = torch.randn(1, 20, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(with_flow.decode(latents), small.decode(latents))
 
 
 def test_a_stray_key_fails_the_load_naming_it(tmp_path, small_dir):

@@ -29,17 +29,21 @@ import triton_python_backend_utils as pb_utils
 
 from auk_triton.flow_sampler import Request, RequestError, load_sampler
 from auk_triton.serving.backend import error_response, input_array, instance_device, log, output_tensor
-from auk_triton.serving.settings import DEFAULT_PRESET, synthetic_checkpoint
+from auk_triton.serving.settings import (
+    DEFAULT_PRESET,
+    bool_parameter,
+    cache_dir_path,
+    checkpoint_path,
+    config_parameters,
+    int_parameter,
+    synthetic_checkpoint,
+)
 from auk_triton.synthetic_dit import SYNTHETIC_DIT_WARNING, write_synthetic_dit_checkpoint
 
 DEFAULT_MAX_STEPS = 1000
 DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second, as the decoder's default
 DEFAULT_MAX_GRAPHS = 4
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _parameters(model_config: dict) -> dict[str, str]:
-    return {k: str(v.get("string_value", "")).strip() for k, v in (model_config.get("parameters") or {}).items()}
 
 
 def synthetic_dit_checkpoint(cache_dir: Path, preset: str) -> Path:
@@ -49,17 +53,6 @@ def synthetic_dit_checkpoint(cache_dir: Path, preset: str) -> Path:
     with open(Path(cache_dir) / "synthetic" / f"{preset}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return write_synthetic_dit_checkpoint(path, preset=preset, seed=0)
-
-
-def _int_param(params: dict[str, str], name: str, default: int, minimum: int = 1) -> int:
-    value = params.get(name, "")
-    try:
-        number = int(value) if value else default
-    except ValueError:
-        raise ValueError(f"config parameter {name} is {value!r}; it must be an integer") from None
-    if number < minimum:
-        raise ValueError(f"config parameter {name} is {number}; it must be at least {minimum}")
-    return number
 
 
 def _seconds(value: np.ndarray) -> float:
@@ -72,40 +65,56 @@ class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
         self.name = args["model_name"]
-        params = _parameters(self.model_config)
+        params = config_parameters(self.model_config)
         model_dir = Path(args["model_repository"])
         self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
 
         dtype_name = params.get("dtype", "") or "auto"
         if dtype_name not in DTYPES:
             raise ValueError(f"config parameter dtype is {dtype_name!r}; use one of {sorted(DTYPES)}")
-        self.max_steps = _int_param(params, "max_steps", DEFAULT_MAX_STEPS)
-        self.max_frames = _int_param(params, "max_frames", DEFAULT_MAX_FRAMES)
-        max_graphs = _int_param(params, "max_graphs", DEFAULT_MAX_GRAPHS, minimum=0)
-        graphs = (params.get("enable_cuda_graphs", "") or "true").lower()
-        if graphs not in ("true", "false"):
-            raise ValueError(f"config parameter enable_cuda_graphs is {graphs!r}; use true or false")
+        self.max_steps = int_parameter(params, "max_steps", DEFAULT_MAX_STEPS, 1)
+        self.max_frames = int_parameter(params, "max_frames", DEFAULT_MAX_FRAMES, 1)
+        max_graphs = int_parameter(params, "max_graphs", DEFAULT_MAX_GRAPHS, 0)
+        graphs = bool_parameter(params, "enable_cuda_graphs", True)
 
-        checkpoint = os.environ.get("AUK_CHECKPOINT") or params.get("checkpoint", "")
-        if checkpoint and not os.path.isabs(checkpoint):
-            checkpoint = str(model_dir / checkpoint)
+        checkpoint = checkpoint_path(params, model_dir)
         if not checkpoint:
-            cache = params.get("cache_dir", "") or os.environ.get("AUK_CACHE_DIR") or str(Path.home() / ".cache" / "auk_triton")
             preset = os.environ.get("AUK_PRESET") or DEFAULT_PRESET
             log("warn", f"no checkpoint configured (AUK_CHECKPOINT or the checkpoint parameter): "
                          f"serving the synthetic '{preset}' preset")
             log("warn", f"*** {SYNTHETIC_DIT_WARNING} ***")
-            checkpoint = synthetic_dit_checkpoint(Path(cache).absolute(), preset)
+            checkpoint = synthetic_dit_checkpoint(cache_dir_path(params, model_dir), preset)
 
         began = time.perf_counter()
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(
             checkpoint, self.device, DTYPES[dtype_name], max_frames=self.max_frames,
-            max_graphs=max_graphs if graphs == "true" else 0,
+            max_graphs=max_graphs if graphs else 0,
         )
+        self._check_io_config()
         log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
                      f"CUDA graphs {'on' if self.sampler.graphs else 'off'}) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")
+
+    def _check_io_config(self) -> None:
+        """The config's tensor widths must be the checkpoint's: a mismatch would leave the
+        model READY with every request failing, so it fails the load instead."""
+        widths = {
+            "PROMPT_EMBEDS": ("text width (dit.text_hidden_dim)", self.sampler.text_dim),
+            "REF_LATENTS": ("latent_dim", self.sampler.latent_dim),
+            "LATENTS": ("latent_dim", self.sampler.latent_dim),
+        }
+        for entry in self.model_config.get("input", []) + self.model_config.get("output", []):
+            name = entry.get("name")
+            dims = [int(d) for d in entry.get("dims", [])]
+            if name not in widths or len(dims) != 2:
+                continue
+            what, width = widths[name]
+            if dims[1] not in (-1, width):
+                raise RuntimeError(
+                    f"config.pbtxt declares {name} dims {dims}, but the checkpoint's {what} is {width}: "
+                    f"set dims to [-1, {width}] to serve this checkpoint"
+                )
 
     def _input(self, request, name: str, dtype, shape_rank: int, required: bool = True):
         array = input_array(request, name)
@@ -131,7 +140,8 @@ class TritonPythonModel:
         guidance = self._input(request, "GUIDANCE", np.float32, 0, required=False)
         sway = self._input(request, "SWAY", np.float32, 0, required=False)
         ref = self._input(request, "REF_LATENTS", np.float32, 2, required=False)
-        if steps is not None and steps > self.max_steps:
+        # A flash checkpoint runs its fixed recipe whatever NUM_STEPS says: no step count to limit.
+        if steps is not None and steps > self.max_steps and self.sampler.variant != "flash":
             raise RequestError(f"NUM_STEPS is {int(steps)}; this model runs at most {self.max_steps} (max_steps)")
         return Request(
             prompt_embeds=torch.from_numpy(np.ascontiguousarray(text)),

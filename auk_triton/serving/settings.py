@@ -1,4 +1,4 @@
-"""Model settings and request checks for the Triton decode model.
+"""Model settings and request checks for the Triton models.
 
 Nothing here needs the Triton stub, so it can be imported and tested anywhere.
 """
@@ -22,6 +22,67 @@ _FALSE = {"0", "false", "no", "off"}
 
 class RequestError(ValueError):
     """A request the model refuses; its message goes back to the client."""
+
+
+# ---- config parameters, shared by the models ----------------------------------------------
+
+
+def config_parameters(model_config: Mapping) -> dict[str, str]:
+    """The `parameters` of a Triton model config (the dict `args["model_config"]` holds), as text."""
+    return {
+        key: str(value.get("string_value", "")).strip()
+        for key, value in (model_config.get("parameters") or {}).items()
+    }
+
+
+def int_parameter(params: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+    """Parameter `name` as an integer of at least `minimum`; `default` when it is empty."""
+    value = params.get(name, "")
+    if value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"config parameter {name} is {value!r}; it must be an integer") from None
+    if number < minimum:
+        raise ValueError(f"config parameter {name} is {number}; it must be at least {minimum}")
+    return number
+
+
+def bool_parameter(params: Mapping[str, str], name: str, default: bool) -> bool:
+    """Parameter `name` as a boolean (1/true/yes/on or 0/false/no/off); `default` when it is empty."""
+    value = params.get(name, "")
+    if value == "":
+        return default
+    if value.lower() not in _TRUE | _FALSE:
+        raise ValueError(f"config parameter {name} is {value!r}; use true or false")
+    return value.lower() in _TRUE
+
+
+def path_parameter(params: Mapping[str, str], name: str, model_dir: str | Path) -> str:
+    """Parameter `name` as a path: a relative one is taken relative to the model's folder."""
+    value = params.get(name, "")
+    return str(Path(model_dir) / value) if value and not os.path.isabs(value) else value
+
+
+def checkpoint_path(params: Mapping[str, str], model_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str:
+    """The checkpoint to load: AUK_CHECKPOINT, else the `checkpoint` parameter; "" when neither is set.
+
+    AUK_CHECKPOINT is a path relative to the directory the server started in (the
+    model process inherits it; the launcher also makes it absolute); only the
+    parameter is relative to the model's folder.
+    """
+    configured = environ.get("AUK_CHECKPOINT", "").strip()
+    if configured:
+        return os.path.abspath(configured)
+    return path_parameter(params, "checkpoint", model_dir)
+
+
+def cache_dir_path(params: Mapping[str, str], model_dir: str | Path, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where synthetic checkpoints and compile caches go: the `cache_dir` parameter, else
+    AUK_CACHE_DIR, else ~/.cache/auk_triton."""
+    configured = path_parameter(params, "cache_dir", model_dir) or environ.get("AUK_CACHE_DIR")
+    return Path(configured or Path.home() / ".cache" / "auk_triton").absolute()
 
 
 @dataclass(frozen=True)
@@ -48,60 +109,19 @@ class DecodeSettings:
 
         Relative paths in parameters are taken relative to the model's directory.
         """
-        raw = {
-            key: str(value.get("string_value", "")).strip()
-            for key, value in (model_config.get("parameters") or {}).items()
-        }
-        model_dir = Path(model_dir)
-
-        def path_param(name: str) -> str:
-            value = raw.get(name, "")
-            return str(model_dir / value) if value and not os.path.isabs(value) else value
-
-        def int_param(name: str, default: int | None, minimum: int) -> int | None:
-            value = raw.get(name, "")
-            if value == "":
-                return default
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"config parameter {name} is {value!r}; it must be an integer") from None
-            if number < minimum:
-                raise ValueError(f"config parameter {name} is {number}; it must be at least {minimum}")
-            return number
-
-        shapes_text = raw.get("compile_shapes", "")
-        try:
-            compile_shapes = tuple(int(s) for s in shapes_text.replace(" ", "").split(",") if s)
-        except ValueError:
-            raise ValueError(
-                f"config parameter compile_shapes is {shapes_text!r}; "
-                "it must be a comma-separated list of frame counts such as \"128,256,512\""
-            ) from None
-        if any(s <= 0 for s in compile_shapes):
-            raise ValueError(f"config parameter compile_shapes is {shapes_text!r}; frame counts must be positive")
-
-        def bool_param(name: str, default: bool) -> bool:
-            text = raw.get(name, "").lower()
-            if text == "":
-                return default
-            if text not in _TRUE | _FALSE:
-                raise ValueError(f"config parameter {name} is {text!r}; use true or false")
-            return text in _TRUE
-
-        cache_dir = path_param("cache_dir") or environ.get("AUK_CACHE_DIR") or str(Path.home() / ".cache" / "auk_triton")
+        params = config_parameters(model_config)
         return cls(
-            checkpoint=environ.get("AUK_CHECKPOINT") or path_param("checkpoint"),
-            compile_shapes=compile_shapes,
-            tile_frames=int_param("tile_frames", None, 0),
-            first_tile_frames=int_param("first_tile_frames", None, 0),
-            max_graphs=int_param("max_graphs", 32, 1),
-            frame_alignment=int_param("frame_alignment", 1, 1),
-            enable_cuda_graphs=bool_param("enable_cuda_graphs", True),
-            fused_activation=bool_param("fused_activation", True),
-            channels_last=bool_param("channels_last", True),
-            max_frames=int_param("max_frames", DEFAULT_MAX_FRAMES, 1),
-            cache_dir=Path(cache_dir).absolute(),
+            checkpoint=checkpoint_path(params, model_dir, environ),
+            compile_shapes=_compile_shapes(params.get("compile_shapes", "")),
+            tile_frames=int_parameter(params, "tile_frames", None, 0),
+            first_tile_frames=int_parameter(params, "first_tile_frames", None, 0),
+            max_graphs=int_parameter(params, "max_graphs", 32, 1),
+            frame_alignment=int_parameter(params, "frame_alignment", 1, 1),
+            enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", True),
+            fused_activation=bool_parameter(params, "fused_activation", True),
+            channels_last=bool_parameter(params, "channels_last", True),
+            max_frames=int_parameter(params, "max_frames", DEFAULT_MAX_FRAMES, 1),
+            cache_dir=cache_dir_path(params, model_dir, environ),
         )
 
     def first_window_frames(self) -> int | None:
@@ -115,6 +135,19 @@ class DecodeSettings:
         """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
         environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir / "inductor"))
         environ.setdefault("TRITON_CACHE_DIR", str(self.cache_dir / "triton"))
+
+
+def _compile_shapes(text: str) -> tuple[int, ...]:
+    try:
+        shapes = tuple(int(s) for s in text.replace(" ", "").split(",") if s)
+    except ValueError:
+        raise ValueError(
+            f"config parameter compile_shapes is {text!r}; "
+            "it must be a comma-separated list of frame counts such as \"128,256,512\""
+        ) from None
+    if any(s <= 0 for s in shapes):
+        raise ValueError(f"config parameter compile_shapes is {text!r}; frame counts must be positive")
+    return shapes
 
 
 def synthetic_checkpoint(cache_dir: Path, preset: str) -> Path:

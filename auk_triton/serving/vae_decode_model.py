@@ -89,7 +89,8 @@ class DecodeMetrics:
                 labels=labels
             )
             seconds = counter(
-                "auk_vae_decode_seconds_total", "Wall time decoding tiles, by tier (compiled, graph, eager)"
+                "auk_vae_decode_seconds_total",
+                "Time launching tile decodes and waiting for their samples, by tier (compiled, graph, eager)",
             )
             self._seconds = {tier: seconds.Metric(labels={**labels, "tier": tier}) for tier in TIERS}
             self._send = counter(
@@ -343,16 +344,20 @@ class TritonPythonModel:
             if not finished:  # stopped before the last tile
                 sender.send(flags=final)
         except RequestError as err:
-            sender.send(error_response(str(err)), flags=final)
+            self._send_error(sender, str(err))
         except Exception as err:
             log("error", f"{self.name}: decode failed: {type(err).__name__}: {err}")
             if not finished:
-                try:
-                    sender.send(error_response(f"decode failed: {type(err).__name__}: {err}"), flags=final)
-                except Exception as send_err:  # the client is gone
-                    log("error", f"{self.name}: could not send the error response: {send_err}")
+                self._send_error(sender, f"decode failed: {type(err).__name__}: {err}")
         finally:
             self.metrics.record(decoded, send_seconds, self.graph)
+
+    def _send_error(self, sender, message: str) -> None:
+        """End the stream with an error response; a client that is gone must not fail `execute`."""
+        try:
+            sender.send(error_response(message), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as send_err:  # the client is gone
+            log("error", f"{self.name}: could not send the error response: {send_err}")
 
     def finalize(self):
         if getattr(self, "metrics", None) is not None:

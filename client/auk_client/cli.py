@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator
 
 from . import stream as st
 from .stream import AuKClientError, BadInput
@@ -74,8 +76,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+def _fail(message: str, prog: str = PROG) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+def run_reporting_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog: str = PROG) -> int:
+    """`run(args)`, with a failure or Ctrl-C reported as one line on stderr and returned as the exit status."""
+    try:
+        return run(args)
+    except AuKClientError as exc:
+        _fail(str(exc), prog)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _fail("interrupted", prog)
+        return 130
+
+
+@contextmanager
+def written_wav(path: str, fmt: str) -> Iterator[WavWriter]:
+    """A WavWriter on `path`, closed at the end of the block and removed if the block fails,
+    so that no half-written WAV is left behind."""
+    try:
+        wav = WavWriter(path, fmt=fmt, sample_rate=st.SAMPLE_RATE)
+    except OSError as exc:
+        raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
+    ok = False
+    try:
+        yield wav
+        ok = True
+    finally:
+        wav.close()
+        if not ok:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def _progress(total_seconds: float, enabled: bool):
@@ -97,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("give either a latents .npy file or --seconds (not both)")
     if args.timeout <= 0:
         raise BadInput("--timeout must be positive")
+    if args.seed < 0:
+        raise BadInput(f"--seed must be 0 or more, got {args.seed}")
+    if args.latent_dim is not None and args.latent_dim < 1:
+        raise BadInput(f"--latent-dim must be at least 1, got {args.latent_dim}")
+    if args.seconds is not None:
+        st.frames_for_seconds(args.seconds)  # bad input is reported before the server is asked anything
     if args.raw and args.float32 and not args.output:
         raise BadInput("--float32 applies to the WAV file; --raw always streams PCM16 (add -o FILE.wav)")
     if args.raw and args.output == "-":
@@ -126,54 +167,40 @@ def run(args: argparse.Namespace) -> int:
     total_seconds = total_samples / st.SAMPLE_RATE
     fmt = FLOAT32 if args.float32 else PCM16
 
-    sinks = []
-    wav = None
-    if output:
-        try:
-            wav = WavWriter(output, fmt=fmt, sample_rate=st.SAMPLE_RATE)
-        except OSError as exc:
-            raise BadInput(f"cannot write {output}: {exc.strerror or exc}") from None
-        sinks.append(wav)
-    if args.raw:
-        sinks.append(RawPcm16Stream(sys.stdout.buffer))
-
-    bar = _progress(total_seconds, enabled=not args.quiet)
     tiles: list[st.Tile] = []
     covered = 0  # highest sample end seen, for the progress bar
-    started = time.perf_counter()
-    ok = False
-    try:
-        # PCM16 output (the default WAV, and --raw) asks the server for WAVEFORM_PCM16:
-        # the same conversion done there, and half the bytes on the wire.
-        pcm16 = fmt == PCM16
-        if args.http:
-            incoming = iter([st.decode_offline(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)])
-        else:
-            incoming = st.stream_decode(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)
-        for tile in incoming:
-            for sink in sinks:
-                sink.place(tile.start_sample, tile.waveform)
-            tiles.append(tile)
-            if bar is not None and tile.end_sample > covered:
-                bar.update(round((min(tile.end_sample, total_samples) - min(covered, total_samples)) / st.SAMPLE_RATE, 3))
-            covered = max(covered, tile.end_sample)
-        ok = True
-    except BrokenPipeError:
-        raise AuKClientError("stdout was closed before the audio was complete") from None
-    finally:
-        elapsed = time.perf_counter() - started
-        if bar is not None:
-            bar.close()
-        if wav is not None:
-            wav.close()
-            if not ok:
-                try:
-                    os.remove(output)  # no half-written WAV left behind
-                except OSError:
-                    pass
+    with ExitStack() as outputs:
+        sinks = []
+        if output:
+            sinks.append(outputs.enter_context(written_wav(output, fmt)))
+        if args.raw:
+            sinks.append(RawPcm16Stream(sys.stdout.buffer))
+        bar = _progress(total_seconds, enabled=not args.quiet)
+        started = time.perf_counter()
+        try:
+            # PCM16 output (the default WAV, and --raw) asks the server for WAVEFORM_PCM16:
+            # the same conversion done there, and half the bytes on the wire.
+            pcm16 = fmt == PCM16
+            if args.http:
+                incoming = iter([st.decode_offline(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)])
+            else:
+                incoming = st.stream_decode(latents, url=url, model=model, timeout=args.timeout, pcm16=pcm16)
+            for tile in incoming:
+                for sink in sinks:
+                    sink.place(tile.start_sample, tile.waveform)
+                tiles.append(tile)
+                if bar is not None and tile.end_sample > covered:
+                    bar.update(round((min(tile.end_sample, total_samples) - min(covered, total_samples)) / st.SAMPLE_RATE, 3))
+                covered = max(covered, tile.end_sample)
+        except BrokenPipeError:
+            raise AuKClientError("stdout was closed before the audio was complete") from None
+        finally:
+            elapsed = time.perf_counter() - started
+            if bar is not None:
+                bar.close()
+        if not tiles:  # inside the block: the header-only WAV is removed
+            raise AuKClientError(f"{model} at {url} finished without sending any audio")
 
-    if not tiles:
-        raise AuKClientError(f"{model} at {url} finished without sending any audio")
     received_samples = max(t.end_sample for t in tiles)
     if received_samples < total_samples:
         print(
@@ -219,15 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         from .pipeline import main as pipeline_main
 
         return pipeline_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except AuKClientError as exc:
-        _fail(str(exc))
-        return exc.exit_code
-    except KeyboardInterrupt:
-        _fail("interrupted")
-        return 130
+    return run_reporting_errors(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .cli import run_reporting_errors, written_wav
 from .stream import (
     DEFAULT_GRPC_URL,
     DEFAULT_TIMEOUT_S,
@@ -36,7 +37,7 @@ from .stream import (
     read_npy,
     stream_infer,
 )
-from .wavio import FLOAT32, PCM16, WavWriter
+from .wavio import FLOAT32, PCM16
 
 PIPELINE_MODEL = "auk_pipeline"
 DIT_MODEL = "auk_dit"
@@ -190,16 +191,17 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.prompt_embeds is None) == (args.random_tokens is None):
         raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
+    if args.seed < 0:
+        raise BadInput(f"--seed must be 0 or more, got {args.seed}")
     if args.prompt_embeds is not None:
         embeds, source = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
     else:
         embeds = random_prompt_embeds(args.random_tokens, args.seed)
         source = f"{args.random_tokens} random tokens (seed {args.seed}), a stand-in for the encoder stage"
     ref = load_latents(args.ref_latents) if args.ref_latents else None
-    writer = WavWriter(args.output, fmt=FLOAT32 if args.float32 else PCM16, sample_rate=SAMPLE_RATE)
     started = time.perf_counter()
     first, samples, tiles = None, 0, 0
-    try:
+    with written_wav(args.output, FLOAT32 if args.float32 else PCM16) as writer:
         for tile in stream_pipeline(
             embeds, args.seconds, args.seed, num_steps=args.steps, guidance=args.guidance, sway=args.sway,
             ref_latents=ref, url=args.url, model=args.model, timeout=args.timeout,
@@ -207,14 +209,14 @@ def run(args: argparse.Namespace) -> int:
             writer.place(tile.start_sample, tile.waveform)
             first = tile.arrived_s if first is None else first
             samples, tiles = max(samples, tile.end_sample), tiles + 1
-    finally:
-        writer.close()
+        if not tiles:  # inside the block: the header-only WAV is removed
+            raise AuKClientError(f"{args.model} at {args.url} finished without sending any audio")
     if not args.quiet:
         total = time.perf_counter() - started
         print(
             f"prompt: {source}\n"
             f"audio: {samples / SAMPLE_RATE:.2f} s in {tiles} tiles -> {args.output}\n"
-            f"time to first audio: {first if first is not None else float('nan'):.3f} s, total {total:.3f} s",
+            f"time to first audio: {first:.3f} s, total {total:.3f} s",
             file=sys.stderr,
         )
     return 0
@@ -225,12 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="auk-client pipeline",
         description="Generate audio with the AuK pipeline (DiT -> decoder) on Triton, streamed over gRPC.",
     ))
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except AuKClientError as exc:
-        print(f"auk-client pipeline: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return run_reporting_errors(run, parser.parse_args(argv), prog=parser.prog)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,6 @@ def random_latents(seconds: float, seed: int, latent_dim: int = DEFAULT_LATENT_D
     return rng.standard_normal((frames, latent_dim)).astype(np.float32)
 
 
-def audio_seconds(frames: int) -> float:
-    return frames * HOP / SAMPLE_RATE
-
-
 # -- errors ---------------------------------------------------------------
 
 def _describe_grpc_error(exc, url: str, model: str, timeout: float) -> AuKClientError:
