@@ -190,6 +190,17 @@ def test_cli_refuses_a_negative_seed_in_one_line_naming_the_option(tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("seconds", ["-1", "0", "nan"])
+def test_cli_refuses_a_duration_that_is_not_positive_before_asking_the_server(tmp_path, capsys, seconds):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", seconds, "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert "--seconds must be a positive number" in one_pipeline_error_line(capsys)
+    assert not out.exists()
+
+
 def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_path, small_checkpoint):
     """A codec-only checkpoint (with a dit section but no auk.safetensors): auk_dit's load fails naming the file."""
     import os

@@ -34,6 +34,7 @@ from .stream import (
     _describe_grpc_error,
     _strip_scheme,
     check_latents,
+    frames_for_seconds,
     read_npy,
     stream_infer,
 )
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
     if args.seed < 0:
         raise BadInput(f"--seed must be 0 or more, got {args.seed}")
+    frames_for_seconds(args.seconds)  # a bad duration is reported before the server is asked
     if args.prompt_embeds is not None:
         embeds, source = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
     else:
