@@ -1,7 +1,7 @@
 """CUDA-graph replay of the AuK codec decode, in three tiers.
 
-The decoder launches about a thousand small kernels per clip, so on a GPU it is
-bound by launch overhead, not by arithmetic. `AuKVAEDecodeGraph` replays it:
+The eager decoder launches thousands of small kernels per window (about 2,500
+for 512 frames), so on a GPU it is bound by launch overhead, not by arithmetic. `AuKVAEDecodeGraph` replays it:
 
 1. Compiled bucket graphs, built by `warmup()` at service start: the decode goes
    through `torch.compile` (Inductor fuses the elementwise chains), and one CUDA
@@ -19,12 +19,17 @@ bound by launch overhead, not by arithmetic. `AuKVAEDecodeGraph` replays it:
    windows as they finish, for streaming.
 3. Plain graphs, captured on demand per exact window length, for lengths no
    compiled bucket serves. They replay eager's kernels and are bit-identical with
-   it. They share one wrapper-private memory pool and are retired together: when
+   it (with `frame_alignment` above 1, a window padded to the aligned length
+   differs in its last `right` frames, as in a bucket). They share one wrapper-private memory pool and are retired together: when
    `max_graphs` is reached the whole generation and its pool are dropped, so no
    surviving graph can hold an address that a destroyed graph released.
 
 Off CUDA, while an outer graph is being captured, or with `enabled=False`,
 everything runs eager (tiling included in `decode_tiles`).
+
+Not thread-safe: the graphs' input and output buffers, `last_mode` and the
+graph cache are shared by all calls, so one caller at a time (the Triton
+Python backend runs a model instance's `execute` calls one after another).
 """
 
 import logging
@@ -133,8 +138,11 @@ class AuKVAEDecodeGraph:
                 f"{left} + {right} frames: no tile would emit anything"
             )
         self.first_tile_frames = int(first_tile_frames) if first_tile_frames else None
-        if self.first_tile_frames is not None and self.first_tile_frames <= right:
-            raise ValueError(f"first_tile_frames={self.first_tile_frames} does not exceed the right context {right}")
+        if self.tile_frames and self.first_tile_frames is not None and self.first_tile_frames <= right:
+            raise ValueError(
+                f"first_tile_frames={self.first_tile_frames} (by default the smallest compile shape) does not "
+                f"exceed the decoder's right context of {right} frames: the first tile would emit nothing"
+            )
         self.last_mode: str | None = None
         self.captures = 0
         self.generations_retired = 0
@@ -266,6 +274,7 @@ class AuKVAEDecodeGraph:
             self.enabled
             and isinstance(latents, torch.Tensor)
             and latents.is_cuda
+            and latents.device == self.vae.global_mean.device  # a capture records work on the VAE's device
             and latents.dim() == 3
             and latents.shape[0] == 1
             and latents.shape[2] == self.vae.latent_dim
@@ -285,7 +294,12 @@ class AuKVAEDecodeGraph:
                 entry, self.last_mode = self._buckets[bucket], "compiled"
             else:
                 aligned = -(-frames // self.frame_alignment) * self.frame_alignment
-                entry, self.last_mode = self._plain_graph(aligned, window.device), "graph"
+                try:
+                    entry, self.last_mode = self._plain_graph(aligned, window.device), "graph"
+                except Exception as err:  # out of memory, or an op that cannot be captured
+                    logger.warning("capturing a %d-frame plain graph failed, decoding eager: %s", aligned, err)
+                    self.last_mode = "eager"
+                    return self.vae.decode(window)
             self._load(entry.static_in, window)
             entry.graph.replay()
             return entry.static_out[:, : frames * self.vae.hop_size]

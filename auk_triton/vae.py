@@ -285,6 +285,16 @@ class AuKVAE(nn.Module):
             raise ValueError("use_vae=False is not supported: the AuK encoder head emits mean and log-std")
         if not causal:
             raise ValueError("causal=False is not supported: the released AuK decoder is causal")
+        if len(upsample_rates) != len(upsample_kernel_sizes):
+            raise ValueError(
+                f"upsample_rates {list(upsample_rates)} and upsample_kernel_sizes {list(upsample_kernel_sizes)} "
+                "must have one entry per upsampling stage"
+            )
+        if len(resblock_kernel_sizes) != len(resblock_dilation_sizes):
+            raise ValueError(
+                f"resblock_kernel_sizes {list(resblock_kernel_sizes)} and resblock_dilation_sizes "
+                f"{list(resblock_dilation_sizes)} must have one entry per residual block"
+            )
         for rate, kernel in zip(upsample_rates, upsample_kernel_sizes):
             if kernel != 2 * rate:
                 raise ValueError(f"upsample kernel {kernel} must be twice its rate {rate}")
@@ -325,6 +335,9 @@ class AuKVAE(nn.Module):
 
     def load_weights(self, path) -> "AuKVAE":
         """Load a released-layout `vae.safetensors` and fold weight norm on this module's device."""
+        if self.channels_last:
+            # The folded and polyphase weights are derived from the loaded ones and would go stale.
+            raise RuntimeError("load_weights after use_channels_last(): load the weights first, then switch layouts")
         device = self.global_mean.device
         stored = load_file(str(path), device="cpu")
         stored = {k: v for k, v in stored.items() if not k.startswith("flow.")}
@@ -371,9 +384,12 @@ class AuKVAE(nn.Module):
         try:
             config = json.loads(config_path.read_text())
             section = config["vae"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            init_kwargs = section.get("model_init_kwargs", {})
+            if not isinstance(init_kwargs, dict):
+                raise TypeError(f"model_init_kwargs is a {type(init_kwargs).__name__}, not an object")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{config_path} is not an AuK config with a 'vae' section: {err}") from None
-        vae = cls.from_config(section.get("model_init_kwargs", {}))
+        vae = cls.from_config(init_kwargs)
         for key, actual in (
             ("latent_dim", vae.latent_dim),
             ("downsample_rate", vae.hop_size),

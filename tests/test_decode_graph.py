@@ -76,6 +76,15 @@ def test_a_tile_not_larger_than_the_context_raises():
         AuKVAEDecodeGraph(AuKVAE.from_config({"upsample_initial_channel": 64}), tile_frames=60)
 
 
+def test_a_first_tile_not_longer_than_the_right_context_raises_only_where_clips_are_tiled():
+    vae = AuKVAE.from_config({"upsample_initial_channel": 64})
+    right = vae.decode_context_frames()[1]
+    with pytest.raises(ValueError, match=f"first_tile_frames={right} .*right context of {right} frames"):
+        AuKVAEDecodeGraph(vae, compile_shapes=(right, 512), first_tile_frames=right)
+    untiled = AuKVAEDecodeGraph(vae, compile_shapes=(right, 512), tile_frames=0, first_tile_frames=right)
+    assert untiled.tile_frames == 0
+
+
 @pytest.mark.parametrize("frames, tile", [(150, 70), (300, 128), (517, 128), (517, 200), (700, 512)])
 def test_tiles_stitch_into_the_whole_clip_decode(small, frames, tile):
     latents = torch.randn(1, frames, 64, generator=torch.Generator().manual_seed(frames + tile))

@@ -114,3 +114,24 @@ def test_inside_an_outer_capture_the_wrapper_decodes_eager(vae):
     torch.cuda.synchronize()
     assert graph.captures == 0 and graph.last_mode == "eager"
     assert torch.equal(out, expected)
+
+
+def test_a_window_whose_plain_graph_cannot_be_captured_is_decoded_eager(vae, monkeypatch):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=())
+
+    def fail_capture(frames, device):
+        raise torch.cuda.OutOfMemoryError("no memory for the graph")
+
+    monkeypatch.setattr(graph, "_plain_graph", fail_capture)
+    clip = latents(45, 6)
+    out = graph(clip)
+    assert graph.last_mode == "eager"
+    assert torch.equal(out, vae.decode(clip))
+
+
+def test_latents_on_another_device_than_the_vae_are_never_replayed(tmp_path):
+    cpu_vae = AuKVAE.from_pretrained(write_synthetic_checkpoint(tmp_path / "small", "small"), device="cpu")
+    graph = AuKVAEDecodeGraph(cpu_vae, compile_shapes=())
+    with pytest.raises(RuntimeError):  # eager, on mismatched devices: torch refuses
+        graph(latents(20, 7))
+    assert graph.last_mode == "eager" and graph.captures == 0

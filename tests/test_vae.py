@@ -204,6 +204,28 @@ def test_a_config_that_disagrees_with_the_module_fails_the_load(tmp_path, small_
         AuKVAE.from_pretrained(broken)
 
 
+def test_a_config_whose_stage_lists_differ_in_length_fails_naming_both():
+    with pytest.raises(ValueError, match=r"upsample_rates \[8, 5\] and upsample_kernel_sizes \[16\]"):
+        AuKVAE(upsample_rates=[8, 5], upsample_kernel_sizes=[16])
+    with pytest.raises(ValueError, match="resblock_kernel_sizes .* and resblock_dilation_sizes"):
+        AuKVAE(resblock_kernel_sizes=[3, 7], resblock_dilation_sizes=[[1, 3, 5]])
+
+
+def test_a_config_whose_init_kwargs_are_not_an_object_fails_naming_the_file(tmp_path, small_dir):
+    broken = _copy_checkpoint(small_dir, tmp_path / "kwargs")
+    config = json.loads((broken / "config.json").read_text())
+    config["vae"]["model_init_kwargs"] = [1, 2]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json is not an AuK config .*model_init_kwargs is a list"):
+        AuKVAE.from_pretrained(broken)
+
+
+def test_weights_cannot_be_loaded_after_the_switch_to_channels_last(small_dir):
+    vae = AuKVAE.from_pretrained(small_dir).use_channels_last()
+    with pytest.raises(RuntimeError, match="load the weights first"):
+        vae.load_weights(small_dir / "vae.safetensors")
+
+
 def test_a_checkpoint_directory_without_weights_fails_naming_the_file(tmp_path, small_dir):
     broken = _copy_checkpoint(small_dir, tmp_path / "noweights")
     (broken / "vae.safetensors").unlink()

@@ -135,7 +135,9 @@ class DecodeMetrics:
         self._wake.set()
 
     def _report_until_closed(self) -> None:
-        while True:
+        # `_closing` is checked after every report too: `_report` clears `_wake`, so a
+        # `close` during the delay would otherwise leave this thread waiting forever.
+        while not self._closing:
             self._wake.wait()
             if self._closing:
                 return
