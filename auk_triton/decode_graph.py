@@ -1,7 +1,8 @@
 """CUDA-graph replay of the AuK codec decode, in three tiers.
 
 The eager decoder launches thousands of small kernels per window (about 2,500
-for 512 frames), so on a GPU it is bound by launch overhead, not by arithmetic. `AuKVAEDecodeGraph` replays it:
+for 512 frames), so on a GPU it is bound by launch overhead, not by
+arithmetic. `AuKVAEDecodeGraph` replays it:
 
 1. Compiled bucket graphs, built by `warmup()` at service start: the decode goes
    through `torch.compile` (Inductor fuses the elementwise chains), and one CUDA
@@ -20,9 +21,12 @@ for 512 frames), so on a GPU it is bound by launch overhead, not by arithmetic. 
 3. Plain graphs, captured on demand per exact window length, for lengths no
    compiled bucket serves. They replay eager's kernels and are bit-identical with
    it (with `frame_alignment` above 1, a window padded to the aligned length
-   differs in its last `right` frames, as in a bucket). They share one wrapper-private memory pool and are retired together: when
-   `max_graphs` is reached the whole generation and its pool are dropped, so no
-   surviving graph can hold an address that a destroyed graph released.
+   differs in its last `right` frames, as in a bucket). They share one
+   wrapper-private memory pool and are retired together: when `max_graphs` is
+   reached the whole generation and its pool are dropped, so no surviving graph
+   can hold an address that a destroyed graph released. A length whose capture
+   fails (out of memory, an op that cannot be captured) decodes eager until the
+   next retirement, not a failed capture per window.
 
 Off CUDA, while an outer graph is being captured, or with `enabled=False`,
 everything runs eager (tiling included in `decode_tiles`).
@@ -148,6 +152,7 @@ class AuKVAEDecodeGraph:
         self.generations_retired = 0
         self._buckets: dict[int, _Graph] = {}
         self._graphs: dict[int, _Graph] = {}
+        self._uncapturable: set[int] = set()  # lengths whose capture failed, this generation
         self._pool = None
         self._compiled_decode: Callable | None = None
         self._zero_latent = vae.zero_latent()
@@ -294,12 +299,11 @@ class AuKVAEDecodeGraph:
                 entry, self.last_mode = self._buckets[bucket], "compiled"
             else:
                 aligned = -(-frames // self.frame_alignment) * self.frame_alignment
-                try:
-                    entry, self.last_mode = self._plain_graph(aligned, window.device), "graph"
-                except Exception as err:  # out of memory, or an op that cannot be captured
-                    logger.warning("capturing a %d-frame plain graph failed, decoding eager: %s", aligned, err)
+                entry = self._plain_graph(aligned, window.device)
+                if entry is None:
                     self.last_mode = "eager"
                     return self.vae.decode(window)
+                self.last_mode = "graph"
             self._load(entry.static_in, window)
             entry.graph.replay()
             return entry.static_out[:, : frames * self.vae.hop_size]
@@ -311,15 +315,21 @@ class AuKVAEDecodeGraph:
         if frames < static_in.shape[1]:
             static_in[:, frames:].copy_(self._zero_latent)
 
-    def _plain_graph(self, frames: int, device: torch.device) -> _Graph:
+    def _plain_graph(self, frames: int, device: torch.device) -> _Graph | None:
+        """The plain graph of `frames`, captured on first use; None where its capture failed."""
         entry = self._graphs.get(frames)
-        if entry is None:
+        if entry is None and frames not in self._uncapturable:
             if len(self._graphs) >= self.max_graphs:
                 self._retire_generation()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(device):
-                entry = self._capture(frames, self.vae.decode, pool=self._pool)
+            try:
+                with torch.cuda.device(device):
+                    entry = self._capture(frames, self.vae.decode, pool=self._pool)
+            except Exception as err:  # out of memory, or an op that cannot be captured
+                logger.warning("capturing a %d-frame plain graph failed, that length decodes eager: %s", frames, err)
+                self._uncapturable.add(frames)
+                return None
             self._graphs[frames] = entry
             self.captures += 1
         return entry
@@ -327,6 +337,7 @@ class AuKVAEDecodeGraph:
     def _retire_generation(self) -> None:
         torch.cuda.current_stream().synchronize()
         self._graphs.clear()
+        self._uncapturable.clear()  # the freed pool may leave room to capture them now
         self._pool = None
         self.generations_retired += 1
         logger.info("retired a generation of %d plain graphs", self.max_graphs)

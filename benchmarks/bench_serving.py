@@ -287,8 +287,8 @@ def stats_after(url: str, since: dict, requests: int, timeout_s: float = 5.0) ->
 def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:
     """(tiles sent, seconds decoding them, seconds in sends) so far, from `model`'s own counters on
     Triton's metrics port (auk_vae_tiles_sent_total, auk_vae_decode_seconds_total summed over tiers,
-    auk_vae_send_seconds_total); None if absent. A tile's decode seconds run from launching its
-    window to its samples in host memory, as `host_tiles` measures them in process. The model
+    auk_vae_send_seconds_total); None if absent. A tile's decode seconds are the time `host_tiles`
+    spends launching its window and waiting for its samples in host memory. The model
     reports its counters a few milliseconds after each request ends."""
     import urllib.request
 

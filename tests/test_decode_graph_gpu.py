@@ -119,10 +119,10 @@ def test_inside_an_outer_capture_the_wrapper_decodes_eager(vae):
 def test_a_window_whose_plain_graph_cannot_be_captured_is_decoded_eager(vae, monkeypatch):
     graph = AuKVAEDecodeGraph(vae, compile_shapes=())
 
-    def fail_capture(frames, device):
+    def fail_capture(frames, decode, pool):
         raise torch.cuda.OutOfMemoryError("no memory for the graph")
 
-    monkeypatch.setattr(graph, "_plain_graph", fail_capture)
+    monkeypatch.setattr(graph, "_capture", fail_capture)
     clip = latents(45, 6)
     out = graph(clip)
     assert graph.last_mode == "eager"
