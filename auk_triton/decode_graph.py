@@ -230,6 +230,7 @@ class AuKVAEDecodeGraph:
         latents: torch.Tensor,
         convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
         look_ahead: bool = False,
+        while_decoding: Callable[[], None] | None = None,
     ) -> Iterator["HostTile"]:
         """`decode_tiles`, each tile copied off the graph buffers into host memory (pinned
         where it comes from a GPU, so the copy is a DMA at full bus speed).
@@ -240,12 +241,18 @@ class AuKVAEDecodeGraph:
         samples are on the host before the next replay can overwrite its buffer. Use
         it only where decodes are asynchronous (CUDA); on a CPU the next decode would
         run before the tile is handed over and delay it by a whole window.
+
+        `while_decoding` is called once, after the first window's decode is launched
+        and before its samples are waited for: host work (checking the request, say)
+        that a GPU's decode then hides. What it raises ends the iteration.
         """
         tiles = self.decode_tiles(latents)
         began = time.perf_counter()
         item = next(tiles, None)
         launch_seconds = time.perf_counter() - began
         mode = self.last_mode
+        if while_decoding is not None:
+            while_decoding()
         while item is not None:
             start_frame, wave = item
             began = time.perf_counter()

@@ -9,7 +9,18 @@ One client on the server's host sends the same clip (one window: at most
   shared-memory regions the client registered (Triton's extension, same host);
 - offline gRPC: the one-response model, a unary gRPC call;
 - offline shm: the same with the shared-memory regions;
-- offline HTTP: the one-response model over HTTP, tensors in binary.
+- offline HTTP: the one-response model over HTTP, tensors in binary;
+- floor stream gRPC, floor stream shm: the first two ways against
+  `floor_model.py`, a model that does the least a decode model can (reads the
+  latents, copies them to the device, waits out the in-process decode's time
+  there, copies zeros back, sends them), so what is left over its wait is the
+  floor under any model code: Triton, the Python backend and the transport.
+
+`--perf-analyzer` then also runs perf_analyzer (the C++ client, through
+`client/run_perf_analyzer.py`) at concurrency 1 on the stream model and, with
+the floor ways, the floor model, both with system shared memory, once per
+timed round. `--no-trace` serves without Triton's trace (its cost is then off
+every request, and the split below is not made).
 
 Before the server starts, the clip is decoded in this process by the graph
 wrapper the model uses (`host_tiles`, int16 on the device before the copy to
@@ -30,19 +41,28 @@ CLOCK_MONOTONIC on one host, split every request into four parts:
   (copied out of the region where there is one).
 
 Every response must equal the way's first, and the first is compared with the
-in-process decode. Weights are synthetic (seeded, not real audio).
+in-process decode (the floor's only by length). Weights are synthetic (seeded,
+not real audio).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --device cuda --seconds 10
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py \
         --device cpu --preset small --seconds 1 --reps 5 --rounds 2   # a check that it runs
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_request_overhead.py --seconds 10 \
+        --ways "stream gRPC" "stream shm" "floor stream gRPC" "floor stream shm" \
+        --perf-analyzer --perf-analyzer-options="--wheel-dir wheels"
 """
 
 import argparse
+import csv
 import datetime
 import json
 import os
 import queue
+import shlex
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from multiprocessing import shared_memory
@@ -65,7 +85,9 @@ from bench_serving import (
 
 HOP = 480
 BUCKET = 512  # the one compiled window: a clip of up to 10.24 s is one tile
-WAYS = ("stream gRPC", "stream shm", "offline gRPC", "offline shm", "offline HTTP")
+FLOOR_MODEL = "auk_vae_floor"
+WAYS = ("stream gRPC", "stream shm", "offline gRPC", "offline shm", "offline HTTP",
+        "floor stream gRPC", "floor stream shm")
 PARTS = ("to the server", "waiting", "in the model", "decode in the model", "back to the client")
 
 
@@ -103,6 +125,7 @@ class Client:
 
     def request(self, way: str, request_id: str) -> np.ndarray:
         shm = way.endswith("shm")
+        model = FLOOR_MODEL if way.startswith("floor") else MODEL
         if way == "offline HTTP":
             if self.http_client is None:
                 import tritonclient.http as httpclient  # needs tritonclient[http]
@@ -114,8 +137,8 @@ class Client:
             return self.http_client.infer(OFFLINE_MODEL, [latents], outputs=outputs,
                                           request_id=request_id).as_numpy("WAVEFORM_PCM16")
         inputs, outputs = self._grpc_io(shm)
-        if way.startswith("stream"):
-            self.grpc_client.async_stream_infer(MODEL, inputs, outputs=outputs, request_id=request_id)
+        if "stream" in way:
+            self.grpc_client.async_stream_infer(model, inputs, outputs=outputs, request_id=request_id)
             result, error = self.responses.get(timeout=120)
             if error is not None:
                 raise RuntimeError(f"{way}: {error}")
@@ -137,6 +160,47 @@ class Client:
             for region in self.regions.values():
                 region.close()
                 region.unlink()
+
+
+def add_floor_model(repository: Path, wait_ms: float, record_to: Path, device: str) -> None:
+    """`floor_model.py` as FLOOR_MODEL in `repository`, with auk_vae_decode's tensors."""
+    folder = repository / FLOOR_MODEL
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(Path(__file__).with_name("floor_model.py"), folder / "1" / "model.py")
+    parameters = {"wait_ms": f"{wait_ms:.4f}", "max_frames": str(BUCKET), "record_to": str(record_to)}
+    parameters = ",\n".join(f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+                             for key, value in parameters.items())
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    (folder / "config.pbtxt").write_text(f'''name: "{FLOOR_MODEL}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "LATENTS", data_type: TYPE_FP32, dims: [ -1, 64 ] }} ]
+output [
+  {{ name: "WAVEFORM", data_type: TYPE_FP32, dims: [ -1 ] }},
+  {{ name: "WAVEFORM_PCM16", data_type: TYPE_INT16, dims: [ -1 ] }},
+  {{ name: "START_SAMPLE", data_type: TYPE_INT64, dims: [ 1 ] }}
+]
+instance_group [ {{ kind: {kind}, count: 1 }} ]
+parameters [
+{parameters}
+]
+''')
+
+
+def perf_analyzer_p50(model: str, grpc_url: str, http_url: str, seconds: float, requests: int, out: Path,
+                      options: str) -> float:
+    """perf_analyzer's p50 latency (the whole clip), ms: `model` streamed over gRPC, concurrency 1,
+    latents and the float32 waveform (perf_analyzer asks for every output) in system shared memory."""
+    argv = [sys.executable, str(Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"),
+            "--grpc-url", grpc_url, "--http-url", http_url, "--stream-model", model, "--models", "stream",
+            "--seconds", f"{seconds:g}", "--concurrency", "1", "--measurement-mode", "count_windows",
+            "--measurement-request-count", str(requests), "--max-trials", "10", "--first-audio-requests", "0",
+            "--out-dir", str(out), *shlex.split(options),
+            "--", "--shared-memory", "system", "--output-shared-memory-size", str(4 * int(seconds * 50) * HOP)]
+    subprocess.run(argv, check=True)
+    with open(out / "summary.csv") as summary:
+        return float(next(csv.DictReader(summary))["latency_p50_ms"])
 
 
 def trace_timestamps(path: Path) -> dict[str, dict[str, int]]:
@@ -173,6 +237,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40, help="timed requests per way and round")
     parser.add_argument("--rounds", type=int, default=3, help="round 0 warms every way up and is left out")
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, metavar="WAY")
+    parser.add_argument("--perf-analyzer", action="store_true",
+                        help="also run perf_analyzer (C++ client, shared memory) on the stream and floor models")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="serve without Triton's trace (its cost off every request; no split into parts)")
+    parser.add_argument("--perf-analyzer-options", default="",
+                        help="options for client/run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
     args = parser.parse_args()
     if not 0 < args.seconds * 50 <= BUCKET:
         parser.error(f"--seconds must give 1 to {BUCKET} frames (one window)")
@@ -190,21 +260,32 @@ def main() -> None:
     print(f"in process: {args.seconds:g} s clip, PCM16, {decode_ms:.2f} ms (median of {args.reps})", flush=True)
 
     trace = work / "trace.json"
+    repository = model_repository_with_buckets([BUCKET], work / "model_repository")
+    floor = any(way.startswith("floor") for way in args.ways)
+    floor_waits = work / "floor_waits.json"
+    if floor:
+        add_floor_model(repository, decode_ms, floor_waits, args.device)
     process, grpc_url, http_url, metrics_url = start_server(
-        checkpoint, work / "cache", work / "tritonserver.log", models=(MODEL, OFFLINE_MODEL),
+        checkpoint, work / "cache", work / "tritonserver.log",
+        models=(MODEL, OFFLINE_MODEL) + ((FLOOR_MODEL,) if floor else ()),
         device="gpu" if cuda else "cpu",
-        model_repository=model_repository_with_buckets([BUCKET], work / "model_repository"),
-        extra_args=[f"--trace-config=triton,file={trace}", "--trace-config=level=TIMESTAMPS",
-                    "--trace-config=rate=1", "--trace-config=count=-1"])
+        model_repository=repository,
+        extra_args=[] if args.no_trace else [
+            f"--trace-config=triton,file={trace}", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=1", "--trace-config=count=-1"])
     client = Client(grpc_url, http_url, clip_latents(args.seconds), f"auk_bench_{os.getpid()}")
     timed: dict[tuple[str, int], list] = {}  # (way, round): [(request id, sent ns, done ns)]
     decode_per_request: dict[tuple[str, int], float] = {}
+    perf_p50: dict[str, list[float]] = {}
     try:
         for round_ in range(args.rounds):
             for way in args.ways:
-                model = MODEL if way.startswith("stream") else OFFLINE_MODEL
+                model = MODEL if way.startswith("stream") else OFFLINE_MODEL  # whose counters (the floor has none)
                 first = client.request(way, f"{way}/{round_}/warm-up")
-                if round_ == 0:
+                if round_ == 0 and way.startswith("floor"):
+                    if first.shape != reference.shape:
+                        raise RuntimeError(f"{way}: {first.shape[0]} samples, not {reference.shape[0]}")
+                elif round_ == 0:
                     diff = np.abs(first.astype(np.int32) - reference.astype(np.int32))
                     print(f"{way}: served vs in-process, max difference {diff.max()} int16 steps "
                           f"({np.count_nonzero(diff)} of {diff.size} samples differ)", flush=True)
@@ -223,14 +304,26 @@ def main() -> None:
                     rows.append((request_id, sent, done))
                 time.sleep(MODEL_METRICS_LAG_S)
                 after = model_seconds(metrics_url, model)
-                if before and after:
+                if before and after and not way.startswith("floor"):
                     decode_per_request[way, round_] = 1e3 * (after[1] - before[1]) / args.reps
+        if args.perf_analyzer:
+            for pass_ in range(args.rounds - 1):
+                for model in (MODEL, FLOOR_MODEL) if floor else (MODEL,):
+                    print(f"perf_analyzer: {model}, shared memory, pass {pass_ + 1}", flush=True)
+                    perf_p50.setdefault(model, []).append(perf_analyzer_p50(
+                        model, grpc_url, http_url, args.seconds, 2 * args.reps, work / f"perf_{model}_{pass_}",
+                        args.perf_analyzer_options))
     finally:
         client.close()
         process.terminate()  # Triton writes its trace file on the way out
         process.wait(timeout=60)
 
     stamps = trace_timestamps(trace) if trace.exists() else {}
+    waits = json.loads(floor_waits.read_text()) if floor_waits.exists() else []
+    wait_ms = {request_id: 1e3 * seconds for request_id, seconds in waits}
+    for (way, round_), rows in timed.items():
+        if way.startswith("floor") and all(request_id in wait_ms for request_id, _, _ in rows):
+            decode_per_request[way, round_] = statistics.median(wait_ms[request_id] for request_id, _, _ in rows)
     print(f"\n{args.seconds:g} s clip, PCM16, one client; in-process decode {decode_ms:.2f} ms. "
           "Medians of each part over the round's requests, ms.\n")
     print("| way | round | client p50 | over the decode | " + " | ".join(PARTS) + " |")
@@ -243,10 +336,30 @@ def main() -> None:
         split = [parts for parts in split if parts is not None]
         cells = {part: statistics.median(p[part] for p in split) for part in split[0]} if split else {}
         cells["decode in the model"] = decode_per_request.get((way, round_))
-        over = client_ms - decode_ms
+        # The floor is measured over its own wait (its "decode in the model"), the others over the decode.
+        base_ms = cells["decode in the model"] if way.startswith("floor") else decode_ms
+        if base_ms is None:
+            raise RuntimeError(f"{way}: the floor model recorded no waits (was it unloaded cleanly?)")
+        over = client_ms - base_ms
         print(f"| {way} | {round_} | {client_ms:.2f} | {over:.2f} ({100 * over / decode_ms:.0f}%) | "
               + " | ".join("n/a" if cells.get(part) is None else f"{cells[part]:.2f}" for part in PARTS) + " |",
               flush=True)
+    if perf_p50:
+        print("\nperf_analyzer, stream over gRPC, latents and float32 waveform in system shared memory, "
+              "p50 of the whole clip, ms:\n")
+        print("| model | pass | p50 | over the decode (the floor: over its wait) |")
+        print("| --- | --- | --- | --- |")
+        for model, p50s in perf_p50.items():
+            if model == FLOOR_MODEL:
+                theirs = [1e3 * seconds for request_id, seconds in waits if "/" not in request_id]  # not ours
+                if not theirs:
+                    raise RuntimeError("the floor model recorded no waits for perf_analyzer's requests")
+                base_ms = statistics.median(theirs)
+            else:
+                base_ms = decode_ms
+            for pass_, p50 in enumerate(p50s, 1):
+                over = p50 - base_ms
+                print(f"| {model} | {pass_} | {p50:.2f} | {over:.2f} ({100 * over / decode_ms:.0f}%) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -129,12 +129,14 @@ def start_triton(
     model_repository: Path,
     checkpoint_dir: Path,
     extra_args=(),
+    device: str = "cpu",
 ) -> TritonServer:
-    """Start tritonserver on free loopback ports and wait until it reports ready."""
+    """Start tritonserver on free loopback ports and wait until it reports ready; `device`
+    is AUK_DEVICE (cpu: the models' config.pbtxt, gpu: their configs/gpu.pbtxt)."""
     server_module = pytest.importorskip("auk_triton.server")
     pytest.importorskip("tritonclient.grpc")
     http, grpc, metrics = _free_ports(3)
-    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint_dir), AUK_DEVICE="cpu")
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint_dir), AUK_DEVICE=device)
     env.setdefault("AUK_CACHE_DIR", str(workdir / "cache"))
     try:
         argv, env = server_module.server_command(

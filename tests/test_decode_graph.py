@@ -132,6 +132,26 @@ def test_look_ahead_decodes_the_next_window_before_a_tile_is_handed_over(small, 
     assert [len(windows) for _ in graph.host_tiles(latents)] == list(range(1, count + 1)), "without: one at a time"
 
 
+def test_while_decoding_runs_once_after_the_first_launch_and_what_it_raises_ends_the_tiles(small, monkeypatch):
+    latents = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(10))
+    graph = AuKVAEDecodeGraph(small, tile_frames=128)
+    events = []
+    decode_window = graph._decode_window
+    monkeypatch.setattr(graph, "_decode_window", lambda window: events.append("launch") or decode_window(window))
+    tiles = [events.append("tile") for _ in graph.host_tiles(latents, while_decoding=lambda: events.append("check"))]
+    assert events[:3] == ["launch", "check", "tile"] and events.count("check") == 1
+    assert len(tiles) == events.count("launch") > 1
+
+    def refuse():
+        raise ValueError("refused")
+
+    events.clear()
+    with pytest.raises(ValueError, match="refused"):
+        for _ in graph.host_tiles(latents, look_ahead=True, while_decoding=refuse):
+            events.append("tile")
+    assert events == ["launch"], "nothing is handed over once the check refuses"
+
+
 def test_on_the_cpu_every_call_is_the_eager_decode(small):
     latents = torch.randn(1, 90, 64, generator=torch.Generator().manual_seed(5))
     graph = AuKVAEDecodeGraph(small)

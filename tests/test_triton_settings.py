@@ -18,6 +18,7 @@ from auk_triton.serving.settings import (
     checkpoint_path,
     config_parameters,
     int_parameter,
+    require_finite,
     validate_latents,
 )
 
@@ -154,6 +155,15 @@ def test_validate_latents_accepts_a_good_clip_and_names_each_problem():
     bad[2, 1], bad[4, 0] = np.nan, np.inf
     with pytest.raises(RequestError, match="1 NaN and 1 infinite values \\(the first in frame 2\\)"):
         validate_latents(bad, 64, 10, 50.0)
+
+
+def test_the_finiteness_check_can_be_left_for_later_and_then_names_the_same_values():
+    bad = np.zeros((5, 64), np.float32)
+    bad[2, 1], bad[4, 0] = np.nan, np.inf
+    assert validate_latents(bad, 64, 10, 50.0, check_finite=False) is not None
+    with pytest.raises(RequestError, match="1 NaN and 1 infinite values \\(the first in frame 2\\)"):
+        require_finite(bad)
+    require_finite(np.zeros((5, 64), np.float32))
 
 
 def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on_path(tmp_path):

@@ -165,8 +165,13 @@ def synthetic_checkpoint(cache_dir: Path, preset: str) -> Path:
         return write_synthetic_checkpoint(root / f"{preset}-seed{SYNTHETIC_SEED}", preset=preset, seed=SYNTHETIC_SEED)
 
 
-def validate_latents(array: np.ndarray | None, latent_dim: int, max_frames: int, frame_rate: float) -> np.ndarray:
-    """Check one request's LATENTS; return it as a C-contiguous float32 [frames, latent_dim] array."""
+def validate_latents(
+    array: np.ndarray | None, latent_dim: int, max_frames: int, frame_rate: float, check_finite: bool = True
+) -> np.ndarray:
+    """Check one request's LATENTS; return it as a C-contiguous float32 [frames, latent_dim] array.
+
+    `check_finite=False` leaves `require_finite` to the caller, who may run it
+    while the GPU decodes."""
     if array is None:
         raise RequestError("the request has no LATENTS input")
     if array.dtype != np.float32:
@@ -185,6 +190,13 @@ def validate_latents(array: np.ndarray | None, latent_dim: int, max_frames: int,
             f"LATENTS has {frames} frames, more than this model's max_frames of {max_frames} "
             f"({max_frames / frame_rate:.0f} s of audio); split the clip"
         )
+    if check_finite:
+        require_finite(array)
+    return np.ascontiguousarray(array)
+
+
+def require_finite(array: np.ndarray) -> None:
+    """Raise RequestError naming LATENTS' NaN and infinite values, if it has any."""
     finite = np.isfinite(array)
     if not finite.all():
         bad_frame = int(np.argmin(finite.all(axis=1)))
@@ -194,4 +206,3 @@ def validate_latents(array: np.ndarray | None, latent_dim: int, max_frames: int,
             f"LATENTS holds {nans} NaN and {infs} infinite values (the first in frame {bad_frame}); "
             "every value must be finite"
         )
-    return np.ascontiguousarray(array)

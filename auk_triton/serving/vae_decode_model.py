@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -25,6 +26,7 @@ from auk_triton.serving.settings import (
     DEFAULT_PRESET,
     DecodeSettings,
     RequestError,
+    require_finite,
     synthetic_checkpoint,
     validate_latents,
 )
@@ -260,28 +262,46 @@ class TritonPythonModel:
             self._stream(request)
         return None
 
-    def _latents(self, request) -> torch.Tensor:
+    def _latents(self, request) -> tuple[torch.Tensor, np.ndarray]:
+        """The request's LATENTS on the model's device as [1, frames, dim], and on the host.
+
+        On a GPU they go through pinned memory: a copy from pageable memory is
+        staged by the driver and waited for, one from pinned memory is a DMA the
+        host does not wait for (PyTorch keeps the pinned block until it is done).
+        Their check for NaN and infinite values is left to `_tiles` there, which
+        runs it while the GPU decodes.
+        """
+        on_gpu = self.device.type == "cuda"
         array = validate_latents(
             input_array(request, "LATENTS"),
             self.vae.latent_dim,
             self.settings.max_frames,
             self.frame_rate,
+            check_finite=not on_gpu,
         )
-        return torch.from_numpy(array).to(self.device).unsqueeze(0)
+        latents = torch.from_numpy(array)
+        if on_gpu:
+            pinned = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True)
+            latents = pinned.copy_(latents).to(self.device, non_blocking=True)
+        return latents.unsqueeze(0), array
 
-    def _tiles(self, latents: torch.Tensor, decoded: list, pcm16: bool = False):
+    def _tiles(self, latents: torch.Tensor, array: np.ndarray, decoded: list, pcm16: bool = False):
         """Yield (start_sample, waveform on the host) per decoded tile, in order: float32,
         or int16 (`to_pcm16`, converted on the device before the copy) when `pcm16`.
 
         On a GPU the next tile's decode is launched before a tile is yielded, so the
         GPU decodes it while this one is sent (a send waits for the server to write
-        the response to the client's socket). Appends (tier, seconds, audio seconds)
-        per tile to `decoded`; the caller records them for the metrics once the
-        response is complete.
+        the response to the client's socket), and the host `array` of the latents is
+        checked for NaN and infinite values while the first window decodes: before
+        any tile is yielded, off the request's critical path. Appends (tier,
+        seconds, audio seconds) per tile to `decoded`; the caller records them for
+        the metrics once the response is complete.
         """
         hop, rate = self.vae.hop_size, self.vae.sample_rate
         convert = to_pcm16 if pcm16 else None
-        for tile in self.graph.host_tiles(latents, convert, look_ahead=latents.is_cuda):
+        on_gpu = latents.is_cuda
+        check = (lambda: require_finite(array)) if on_gpu else None
+        for tile in self.graph.host_tiles(latents, convert, look_ahead=on_gpu, while_decoding=check):
             decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
             yield tile.start_frame * hop, tile.samples
 
@@ -289,7 +309,7 @@ class TritonPythonModel:
         decoded = []
         try:
             pcm16 = wants_pcm16(request)
-            parts = [wave for _, wave in self._tiles(self._latents(request), decoded, pcm16)]
+            parts = [wave for _, wave in self._tiles(*self._latents(request), decoded, pcm16)]
             waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
             return pb_utils.InferenceResponse(
                 output_tensors=[
@@ -319,10 +339,10 @@ class TritonPythonModel:
         send_seconds = 0.0  # in the tiles' sends
         finished = False  # the final flag has been sent
         try:
-            latents = self._latents(request)
+            latents, array = self._latents(request)
             total = latents.shape[1] * self.vae.hop_size
             pcm16 = wants_pcm16(request)
-            for start, wave in self._tiles(latents, decoded, pcm16):
+            for start, wave in self._tiles(latents, array, decoded, pcm16):
                 last = start + wave.numel() >= total
                 began = time.perf_counter()
                 sender.send(
