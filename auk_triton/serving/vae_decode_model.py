@@ -14,8 +14,8 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
-import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -262,14 +262,15 @@ class TritonPythonModel:
             self._stream(request)
         return None
 
-    def _latents(self, request) -> tuple[torch.Tensor, np.ndarray]:
-        """The request's LATENTS on the model's device as [1, frames, dim], and on the host.
+    def _latents(self, request) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The request's LATENTS on the model's device as [1, frames, dim], and their check
+        for NaN and infinite values where it is still to run (None where it has run).
 
         On a GPU they go through pinned memory: a copy from pageable memory is
         staged by the driver and waited for, one from pinned memory is a DMA the
         host does not wait for (PyTorch keeps the pinned block until it is done).
-        Their check for NaN and infinite values is left to `_tiles` there, which
-        runs it while the GPU decodes.
+        There the check is left to `_tiles`, which runs it while the first window
+        decodes; on a CPU, where a decode is not asynchronous, it runs here first.
         """
         on_gpu = self.device.type == "cuda"
         array = validate_latents(
@@ -280,28 +281,26 @@ class TritonPythonModel:
             check_finite=not on_gpu,
         )
         latents = torch.from_numpy(array)
-        if on_gpu:
-            pinned = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True)
-            latents = pinned.copy_(latents).to(self.device, non_blocking=True)
-        return latents.unsqueeze(0), array
+        if not on_gpu:
+            return latents.unsqueeze(0), None
+        pinned = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True)
+        latents = pinned.copy_(latents).to(self.device, non_blocking=True)
+        return latents.unsqueeze(0), lambda: require_finite(array)
 
-    def _tiles(self, latents: torch.Tensor, array: np.ndarray, decoded: list, pcm16: bool = False):
+    def _tiles(self, latents: torch.Tensor, check: Callable[[], None] | None, decoded: list, pcm16: bool = False):
         """Yield (start_sample, waveform on the host) per decoded tile, in order: float32,
         or int16 (`to_pcm16`, converted on the device before the copy) when `pcm16`.
 
         On a GPU the next tile's decode is launched before a tile is yielded, so the
         GPU decodes it while this one is sent (a send waits for the server to write
-        the response to the client's socket), and the host `array` of the latents is
-        checked for NaN and infinite values while the first window decodes: before
-        any tile is yielded, off the request's critical path. Appends (tier,
+        the response to the client's socket). `check` (from `_latents`) runs while
+        the first window decodes, before any tile is yielded. Appends (tier,
         seconds, audio seconds) per tile to `decoded`; the caller records them for
         the metrics once the response is complete.
         """
         hop, rate = self.vae.hop_size, self.vae.sample_rate
         convert = to_pcm16 if pcm16 else None
-        on_gpu = latents.is_cuda
-        check = (lambda: require_finite(array)) if on_gpu else None
-        for tile in self.graph.host_tiles(latents, convert, look_ahead=on_gpu, while_decoding=check):
+        for tile in self.graph.host_tiles(latents, convert, look_ahead=latents.is_cuda, while_decoding=check):
             decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
             yield tile.start_frame * hop, tile.samples
 
@@ -339,10 +338,10 @@ class TritonPythonModel:
         send_seconds = 0.0  # in the tiles' sends
         finished = False  # the final flag has been sent
         try:
-            latents, array = self._latents(request)
+            latents, check = self._latents(request)
             total = latents.shape[1] * self.vae.hop_size
             pcm16 = wants_pcm16(request)
-            for start, wave in self._tiles(latents, array, decoded, pcm16):
+            for start, wave in self._tiles(latents, check, decoded, pcm16):
                 last = start + wave.numel() >= total
                 began = time.perf_counter()
                 sender.send(
