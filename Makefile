@@ -28,8 +28,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 # Triton in the foreground on model_repository/ (ports from AUK_HTTP_PORT,
 # AUK_GRPC_PORT, AUK_METRICS_PORT; checkpoint from AUK_CHECKPOINT).
+# Compile caches, synthetic checkpoints and the backend folder go to .cache/ here
+# (`make clean` removes it) unless AUK_CACHE_DIR says otherwise.
 serve: $(STAMP)
-	$(VPY) -m auk_triton.server
+	AUK_CACHE_DIR="$${AUK_CACHE_DIR:-$(CURDIR)/.cache}" $(VPY) -m auk_triton.serving.launcher
 
 test: $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS)

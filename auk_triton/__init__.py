@@ -1,1 +1,1 @@
-"""AuK audio codec decoder, replayed as CUDA graphs and served on Triton."""
+"""AuK latents to audio and back, replayed as CUDA graphs and served on Triton."""

@@ -1,1 +1,1 @@
-"""Triton Inference Server model code for the AuK decode (see vae_decode_model)."""
+"""Serving on Triton: the Python-backend models, their settings and request checks, and the launcher."""

@@ -1,0 +1,313 @@
+"""CUDA-graph replay of the AuK codec decode, in three tiers.
+
+The eager decoder launches thousands of small kernels per window (about 2,500
+for 512 frames), so on a GPU it is bound by launch overhead, not by
+arithmetic. `AuKVAEDecodeGraph` replays it:
+
+1. Compiled bucket graphs, built by `warmup()` at service start: the decode goes
+   through `torch.compile` (Inductor fuses the elementwise chains), and one CUDA
+   graph is captured per bucket in `compile_shapes`. A shorter window is
+   right-padded to its bucket with the normalized latent that decodes to raw
+   zero, which is what the eager decode's own zero padding of `conv_pre` sees;
+   only the last `right` frames (the upsamplers' lookahead) can notice the pad.
+   Fused kernels round in another order, so these graphs are close to, not
+   bit-identical with, eager.
+2. Tiling: a clip longer than `tile_frames` is decoded in windows that overlap
+   by the decoder's receptive field (`AuKVAE.decode_context_frames()`); each
+   window contributes only frames whose whole context lies inside it, so the
+   stitched waveform equals the whole-clip decode up to rounding, and memory
+   stays that of one window however long the clip. `decode_tiles()` yields the
+   windows as they finish, for streaming.
+3. Plain graphs, captured on demand per exact window length, for lengths no
+   compiled bucket serves. They replay eager's kernels and are bit-identical with
+   it (with `frame_alignment` above 1, a window padded to the aligned length
+   differs in its last `right` frames, as in a bucket). They share one
+   wrapper-private memory pool and are retired together: when `max_graphs` is
+   reached the whole generation and its pool are dropped, so no surviving graph
+   can hold an address that a destroyed graph released. A length whose capture
+   fails (out of memory, an op that cannot be captured) decodes eager until the
+   next retirement, not a failed capture per window.
+
+Off CUDA, while an outer graph is being captured, or with `enabled=False`,
+everything runs eager (tiling included in `decode_tiles`).
+
+Not thread-safe: the graphs' input and output buffers, `last_mode` and the
+graph cache are shared by all calls, so one caller at a time (the Triton
+Python backend runs a model instance's `execute` calls one after another).
+"""
+
+import logging
+import time
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import torch
+
+from ..cuda_graph import capture
+from .tiling import plan_tiles
+from .vae import AuKVAE
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_SHAPES: tuple[int, ...] = (32, 128, 256, 512)
+
+
+class HostTile(NamedTuple):
+    """One decoded tile on the host (`AuKVAEDecodeGraph.host_tiles`)."""
+
+    start_frame: int  # the clip frame of its first sample
+    samples: torch.Tensor  # [samples], host memory
+    mode: str | None  # the tier that decoded it: compiled, graph, eager
+    # Time spent here launching its decode and waiting for its samples on the host; not the
+    # caller's time between tiles, during which a look-ahead decode may run on the GPU.
+    seconds: float
+
+
+class _Graph(NamedTuple):
+    """One captured decode: its graph, static input and static output."""
+
+    graph: torch.cuda.CUDAGraph
+    static_in: torch.Tensor
+    static_out: torch.Tensor
+
+
+class AuKVAEDecodeGraph:
+    """Replay `AuKVAE.decode` for one clip per call."""
+
+    def __init__(
+        self,
+        vae: AuKVAE,
+        *,
+        enabled: bool = True,
+        frame_alignment: int = 1,
+        max_graphs: int = 32,
+        compile_shapes: Sequence[int] = DEFAULT_COMPILE_SHAPES,
+        tile_frames: int | None = None,
+        first_tile_frames: int | None = None,
+    ):
+        self.vae = vae
+        self.enabled = bool(enabled)
+        self.frame_alignment = max(1, int(frame_alignment))
+        self.max_graphs = max(1, int(max_graphs))
+        self.compile_shapes = sorted({int(size) for size in compile_shapes if int(size) > 0})
+        self.context_frames = vae.decode_context_frames()
+        if tile_frames is None:
+            tile_frames = max(self.compile_shapes, default=0)
+        self.tile_frames = max(0, int(tile_frames))
+        left, right = self.context_frames
+        if self.tile_frames and self.tile_frames <= left + right:
+            raise ValueError(
+                f"tile_frames={self.tile_frames} does not exceed the decode context "
+                f"{left} + {right} frames: no tile would emit anything"
+            )
+        self.first_tile_frames = int(first_tile_frames) if first_tile_frames else None
+        if self.tile_frames and self.first_tile_frames is not None and self.first_tile_frames <= right:
+            raise ValueError(
+                f"first_tile_frames={self.first_tile_frames} (by default the smallest compile shape) does not "
+                f"exceed the decoder's right context of {right} frames: the first tile would emit nothing"
+            )
+        self.last_mode: str | None = None
+        self.captures = 0
+        self.generations_retired = 0
+        self._buckets: dict[int, _Graph] = {}
+        self._graphs: dict[int, _Graph] = {}
+        self._uncapturable: set[int] = set()  # lengths whose capture failed, this generation
+        self._pool = None
+        self._compiled_decode: Callable | None = None
+        self._zero_latent = vae.zero_latent()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def compiled_bucket(self, frames: int) -> int | None:
+        """The smallest compiled bucket that holds `frames` latents, or None past the largest."""
+        return min((b for b in self._buckets if b >= frames), default=None)
+
+    def warmup(self, device, on_bucket: Callable[[int, float, bool], None] | None = None) -> None:
+        """Compile the decode and capture every bucket in `compile_shapes`.
+
+        Meant for service start: each bucket costs one Inductor compilation. A
+        failure logs a warning and leaves that bucket to plain graphs.
+        `on_bucket(frames, seconds, ok)` is told about each bucket as it finishes.
+        """
+        device = torch.device(device)
+        if device.type != "cuda" or not self.enabled or not torch.cuda.is_available():
+            return
+        with torch.cuda.device(device), torch.no_grad():
+            if self._compiled_decode is None:
+                self._compiled_decode = torch.compile(self.vae.forward, dynamic=False)
+            for frames in self.compile_shapes:
+                if frames in self._buckets:
+                    continue
+                began = time.perf_counter()
+                try:
+                    self._buckets[frames] = self._capture(frames, self._compiled_decode, pool=None)
+                    ok = True
+                except Exception as err:  # a bucket that cannot compile falls back to plain graphs
+                    logger.warning("compiled bucket of %d frames failed, plain graphs serve it: %s", frames, err)
+                    ok = False
+                seconds = time.perf_counter() - began
+                logger.info("bucket %d frames: %s in %.1f s", frames, "ready" if ok else "failed", seconds)
+                if on_bucket is not None:
+                    on_bucket(frames, seconds, ok)
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one clip [1, frames, latent_dim] -> [1, frames * hop_size]."""
+        self._check_clip(latents)
+        if not self._replayable(latents):
+            self.last_mode = "eager"
+            with torch.no_grad():
+                return self.vae(latents)
+        frames = latents.shape[1]
+        if self.tile_frames and frames > self.tile_frames:
+            hop = self.vae.hop_size
+            out = torch.empty(1, frames * hop, device=latents.device, dtype=torch.float32)
+            for start, wave in self._windows(latents):
+                out[:, start * hop : start * hop + wave.shape[1]] = wave
+            self.last_mode = "tiled"
+            return out
+        return self._decode_window(latents).clone()
+
+    def decode_tiles(self, latents: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (emit_start_frame, waveform) per tile, in order, for a [1, frames, latent_dim] clip.
+
+        Waveforms are views into graph buffers where a graph served the tile: copy
+        them before the next tile if they must outlive the iteration.
+        """
+        self._check_clip(latents)
+        return self._windows(latents)
+
+    def _windows(self, latents: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        frames = latents.shape[1]
+        if not self.tile_frames:
+            plan = [(0, frames, 0, frames)]
+        else:
+            left, right = self.context_frames
+            plan = plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, self.first_tile_frames)
+        hop = self.vae.hop_size
+        for start, size, emit_start, emit_end in plan:
+            wave = self._decode_window(latents[:, start : start + size])
+            yield emit_start, wave[:, (emit_start - start) * hop : (emit_end - start) * hop]
+
+    def host_tiles(
+        self,
+        latents: torch.Tensor,
+        convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        look_ahead: bool = False,
+        while_decoding: Callable[[], None] | None = None,
+    ) -> Iterator["HostTile"]:
+        """`decode_tiles`, each tile copied off the graph buffers into host memory (pinned
+        where it comes from a GPU, so the copy is a DMA at full bus speed).
+
+        `convert` maps a tile's samples on the device before the copy (to int16 PCM,
+        for example). `look_ahead` launches the next window's decode before a tile is
+        handed over, so the GPU decodes it while the caller sends that tile: a tile's
+        samples are on the host before the next replay can overwrite its buffer. Use
+        it only where decodes are asynchronous (CUDA); on a CPU the next decode would
+        run before the tile is handed over and delay it by a whole window.
+
+        `while_decoding` is called once, after the first window's decode is launched
+        and before its samples are waited for: host work (checking the request, say)
+        that a GPU's decode then hides. What it raises ends the iteration.
+        """
+        tiles = self.decode_tiles(latents)
+        began = time.perf_counter()
+        item = next(tiles, None)
+        launch_seconds = time.perf_counter() - began
+        mode = self.last_mode
+        if while_decoding is not None:
+            while_decoding()
+        while item is not None:
+            start_frame, wave = item
+            began = time.perf_counter()
+            samples = wave[0] if convert is None else convert(wave[0])
+            host = torch.empty(samples.shape[0], dtype=samples.dtype, pin_memory=samples.is_cuda)
+            host.copy_(samples)  # waits for this window's decode
+            tile = HostTile(start_frame, host, mode, launch_seconds + time.perf_counter() - began)
+            if not look_ahead:
+                yield tile
+            began = time.perf_counter()
+            item = next(tiles, None)  # launches the next window's decode
+            launch_seconds = time.perf_counter() - began
+            mode = self.last_mode
+            if look_ahead:
+                yield tile
+
+    # ---- tiers ---------------------------------------------------------------------------
+
+    def _check_clip(self, latents: torch.Tensor) -> None:
+        latent_dim = self.vae.latent_dim
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 3 or latents.shape[0] != 1:
+            shape = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise ValueError(f"expected one clip [1, frames, {latent_dim}], got {shape}")
+        if latents.shape[2] != latent_dim or latents.shape[1] == 0:
+            raise ValueError(f"expected one clip [1, frames >= 1, {latent_dim}], got {list(latents.shape)}")
+        if latents.dtype != torch.float32:
+            raise ValueError(f"latents must be float32, got {latents.dtype}")
+
+    def _replayable(self, latents: torch.Tensor) -> bool:
+        """Whether a checked clip can replay graphs here (else it decodes eager)."""
+        return (
+            self.enabled
+            and latents.is_cuda
+            and latents.device == self.vae.global_mean.device  # a capture records work on the VAE's device
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _decode_window(self, window: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if not self._replayable(window):
+                self.last_mode = "eager"
+                return self.vae(window)
+            frames = window.shape[1]
+            bucket = self.compiled_bucket(frames)
+            if bucket is not None:
+                entry, self.last_mode = self._buckets[bucket], "compiled"
+            else:
+                aligned = -(-frames // self.frame_alignment) * self.frame_alignment
+                entry = self._plain_graph(aligned, window.device)
+                if entry is None:
+                    self.last_mode = "eager"
+                    return self.vae(window)
+                self.last_mode = "graph"
+            self._load(entry.static_in, window)
+            entry.graph.replay()
+            return entry.static_out[:, : frames * self.vae.hop_size]
+
+    def _load(self, static_in: torch.Tensor, window: torch.Tensor) -> None:
+        """Copy a window into a graph's input, right-padded with the raw-zero latent."""
+        frames = window.shape[1]
+        static_in[:, :frames].copy_(window)
+        if frames < static_in.shape[1]:
+            static_in[:, frames:].copy_(self._zero_latent)
+
+    def _plain_graph(self, frames: int, device: torch.device) -> _Graph | None:
+        """The plain graph of `frames`, captured on first use; None where its capture failed."""
+        entry = self._graphs.get(frames)
+        if entry is None and frames not in self._uncapturable:
+            if len(self._graphs) >= self.max_graphs:
+                self._retire_generation()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            try:
+                with torch.cuda.device(device):
+                    entry = self._capture(frames, self.vae.forward, pool=self._pool)
+            except Exception as err:  # out of memory, or an op that cannot be captured
+                logger.warning("capturing a %d-frame plain graph failed, that length decodes eager: %s", frames, err)
+                self._uncapturable.add(frames)
+                return None
+            self._graphs[frames] = entry
+            self.captures += 1
+        return entry
+
+    def _retire_generation(self) -> None:
+        torch.cuda.current_stream().synchronize()
+        self._graphs.clear()
+        self._uncapturable.clear()  # the freed pool may leave room to capture them now
+        self._pool = None
+        self.generations_retired += 1
+        logger.info("retired a generation of %d plain graphs", self.max_graphs)
+
+    def _capture(self, frames: int, decode: Callable, pool) -> _Graph:
+        device = self.vae.global_mean.device
+        static_in = self._zero_latent.to(device).expand(1, frames, -1).contiguous()
+        graph, static_out = capture(lambda: decode(static_in), pool=pool)
+        return _Graph(graph, static_in, static_out)

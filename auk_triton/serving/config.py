@@ -1,0 +1,246 @@
+"""Every setting the serving code reads, each with its one default: the models' config
+parameters (read once at load) and the AUK_* environment variables.
+
+A parameter left out of a config.pbtxt, or given as "", takes the default below.
+Nothing here needs the Triton stub, so it can be imported and tested anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES
+
+DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second
+DEFAULT_PRESET = "auk"  # the synthetic preset served without a checkpoint
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "auk_triton"
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+DEFAULT_DEVICE = "auto"
+DIT_DTYPES = ("auto", "bfloat16", "float32")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+# ---- config parameters ----------------------------------------------------------------------
+
+
+def config_parameters(model_config: Mapping) -> dict[str, str]:
+    """The `parameters` of a Triton model config (the dict `args["model_config"]` holds), as text."""
+    return {
+        key: str(value.get("string_value", "")).strip()
+        for key, value in (model_config.get("parameters") or {}).items()
+    }
+
+
+def int_parameter(params: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+    """Parameter `name` as an integer of at least `minimum`; `default` when it is empty."""
+    value = params.get(name, "")
+    if value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"config parameter {name} is {value!r}; it must be an integer") from None
+    if number < minimum:
+        raise ValueError(f"config parameter {name} is {number}; it must be at least {minimum}")
+    return number
+
+
+def bool_parameter(params: Mapping[str, str], name: str, default: bool) -> bool:
+    """Parameter `name` as a boolean (1/true/yes/on or 0/false/no/off); `default` when it is empty."""
+    value = params.get(name, "")
+    if value == "":
+        return default
+    if value.lower() not in _TRUE | _FALSE:
+        raise ValueError(f"config parameter {name} is {value!r}; use true or false")
+    return value.lower() in _TRUE
+
+
+def choice_parameter(params: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Parameter `name`, one of `choices`; `default` when it is empty."""
+    value = params.get(name, "") or default
+    if value not in choices:
+        raise ValueError(f"config parameter {name} is {value!r}; use one of {', '.join(choices)}")
+    return value
+
+
+def path_parameter(params: Mapping[str, str], name: str, model_dir: str | Path) -> str:
+    """Parameter `name` as a path: a relative one is taken relative to the model's folder."""
+    value = params.get(name, "")
+    return str(Path(model_dir) / value) if value and not os.path.isabs(value) else value
+
+
+def compile_shapes_parameter(params: Mapping[str, str], default: tuple[int, ...]) -> tuple[int, ...]:
+    """`compile_shapes`: comma-separated frame counts; "none" for no compiled buckets."""
+    text = params.get("compile_shapes", "").replace(" ", "")
+    if text == "":
+        return default
+    if text.lower() == "none":
+        return ()
+    try:
+        shapes = tuple(int(s) for s in text.split(",") if s)
+    except ValueError:
+        raise ValueError(
+            f"config parameter compile_shapes is {text!r}; "
+            "it must be a comma-separated list of frame counts such as \"128,256,512\", or none"
+        ) from None
+    if not shapes or any(s <= 0 for s in shapes):
+        raise ValueError(f"config parameter compile_shapes is {text!r}; frame counts must be positive")
+    return shapes
+
+
+def checkpoint_path(params: Mapping[str, str], model_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str:
+    """The checkpoint to load: AUK_CHECKPOINT, else the `checkpoint` parameter; "" when neither is set.
+
+    AUK_CHECKPOINT is a path relative to the directory the server started in (the
+    model process inherits it; the launcher also makes it absolute); only the
+    parameter is relative to the model's folder.
+    """
+    configured = environ.get("AUK_CHECKPOINT", "").strip()
+    if configured:
+        return os.path.abspath(configured)
+    return path_parameter(params, "checkpoint", model_dir)
+
+
+def cache_dir_path(params: Mapping[str, str], model_dir: str | Path, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where synthetic checkpoints and compile caches go: the `cache_dir` parameter, else
+    `environment_cache_dir`."""
+    configured = path_parameter(params, "cache_dir", model_dir)
+    return Path(configured).absolute() if configured else environment_cache_dir(environ)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The decode models' config parameters; the field defaults are the documented defaults."""
+
+    checkpoint: str = ""
+    compile_shapes: tuple[int, ...] = DEFAULT_COMPILE_SHAPES
+    tile_frames: int | None = None  # None: the largest compile shape; 0: no tiling
+    first_tile_frames: int | None = None  # None: the smallest compile shape; 0: off
+    max_graphs: int = 32
+    frame_alignment: int = 1
+    enable_cuda_graphs: bool = True
+    fused_activation: bool = True
+    channels_last: bool = True
+    max_frames: int = DEFAULT_MAX_FRAMES
+    cache_dir: Path = DEFAULT_CACHE_DIR
+
+    @classmethod
+    def from_model_config(
+        cls, model_config: Mapping, model_dir: str | Path, environ: Mapping[str, str] = os.environ
+    ) -> "DecodeSettings":
+        """Parse `parameters` of a Triton model config (the dict `args["model_config"]` holds).
+
+        Relative paths in parameters are taken relative to the model's directory.
+        """
+        params = config_parameters(model_config)
+        default = cls()
+        return cls(
+            checkpoint=checkpoint_path(params, model_dir, environ),
+            compile_shapes=compile_shapes_parameter(params, default.compile_shapes),
+            tile_frames=int_parameter(params, "tile_frames", default.tile_frames, 0),
+            first_tile_frames=int_parameter(params, "first_tile_frames", default.first_tile_frames, 0),
+            max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 1),
+            frame_alignment=int_parameter(params, "frame_alignment", default.frame_alignment, 1),
+            enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
+            fused_activation=bool_parameter(params, "fused_activation", default.fused_activation),
+            channels_last=bool_parameter(params, "channels_last", default.channels_last),
+            max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
+            cache_dir=cache_dir_path(params, model_dir, environ),
+        )
+
+    def first_window_frames(self) -> int | None:
+        """The first decode window of a long clip: `first_tile_frames`, else the smallest
+        compile shape (one small replay before the first audio); 0 turns it off."""
+        if self.first_tile_frames is not None:
+            return self.first_tile_frames or None
+        return min(self.compile_shapes, default=None)
+
+
+@dataclass(frozen=True)
+class DiTSettings:
+    """`auk_dit`'s config parameters; the field defaults are the documented defaults."""
+
+    checkpoint: str = ""
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
+    max_steps: int = 1000
+    max_frames: int = DEFAULT_MAX_FRAMES  # reference + target, the decoder's own limit
+    enable_cuda_graphs: bool = True
+    max_graphs: int = 4
+    cache_dir: Path = DEFAULT_CACHE_DIR
+
+    @classmethod
+    def from_model_config(
+        cls, model_config: Mapping, model_dir: str | Path, environ: Mapping[str, str] = os.environ
+    ) -> "DiTSettings":
+        params = config_parameters(model_config)
+        default = cls()
+        return cls(
+            checkpoint=checkpoint_path(params, model_dir, environ),
+            dtype=choice_parameter(params, "dtype", default.dtype, DIT_DTYPES),
+            max_steps=int_parameter(params, "max_steps", default.max_steps, 1),
+            max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
+            enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
+            max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 0),
+            cache_dir=cache_dir_path(params, model_dir, environ),
+        )
+
+
+def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
+    """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
+    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))
+    environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir) / "triton"))
+
+
+# ---- AUK_* environment variables ------------------------------------------------------------
+
+
+def environment_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """AUK_CACHE_DIR, else DEFAULT_CACHE_DIR: the backend directory, synthetic checkpoints and
+    compile caches. The launcher and the models read it alike."""
+    return Path(environ.get("AUK_CACHE_DIR") or DEFAULT_CACHE_DIR).absolute()
+
+
+def synthetic_preset(environ: Mapping[str, str] = os.environ) -> str:
+    """AUK_PRESET: the synthetic preset served when no checkpoint is configured."""
+    return environ.get("AUK_PRESET", "").strip() or DEFAULT_PRESET
+
+
+def port(environ: Mapping[str, str], kind: str) -> int:
+    """AUK_<KIND>_PORT (kind: http, grpc, metrics), else its default."""
+    name = f"AUK_{kind.upper()}_PORT"
+    value = environ.get(name, "").strip()
+    if not value:
+        return DEFAULT_PORTS[kind]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_PORTS[kind]}") from None
+
+
+def device_choice(environ: Mapping[str, str] = os.environ) -> str:
+    """AUK_DEVICE: cpu, gpu or auto (gpu when torch sees CUDA)."""
+    device = (environ.get("AUK_DEVICE", "").strip() or DEFAULT_DEVICE).lower()
+    if device not in ("cpu", "gpu", "auto"):
+        raise ValueError(f"AUK_DEVICE is {device!r}; use cpu, gpu or auto")
+    return device
+
+
+def models_to_load(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """AUK_MODELS: comma-separated model names; empty (or "all") loads every model."""
+    models = [name.strip() for name in environ.get("AUK_MODELS", "").split(",") if name.strip()]
+    return [] if models == ["all"] else models
+
+
+def model_repository(environ: Mapping[str, str], project_root: Path) -> Path:
+    """AUK_MODEL_REPOSITORY, else `model_repository` in the project root or the current directory."""
+    configured = environ.get("AUK_MODEL_REPOSITORY", "").strip()
+    if configured:
+        return Path(configured).absolute()
+    for candidate in (project_root / "model_repository", Path.cwd() / "model_repository"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("no model_repository found; set AUK_MODEL_REPOSITORY")

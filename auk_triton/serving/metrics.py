@@ -1,0 +1,141 @@
+"""The decode models' counters on Triton's metrics port."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+from auk_triton.codec import AuKVAEDecodeGraph
+
+from .triton_io import log
+
+TIERS = ("compiled", "graph", "eager")
+
+
+class DecodeMetrics:
+    """The model's counters on Triton's metrics port; no-ops where the backend has no MetricFamily.
+
+    Every counter update is a round trip to the server process, about a tenth of
+    a millisecond. Made inline, a request's updates delayed the offline model's
+    response (its `execute` returns it) and a streaming client's next request.
+    So `record` only adds to sums in this process, and a reporter thread sends
+    them REPORT_DELAY_S after a request ends (on a GPU, the next request is
+    decoding by then), each counter once however many tiles and requests it
+    covers. The counters trail the responses by about that much; `close` sends
+    what is left.
+    """
+
+    REPORT_DELAY_S = 0.005
+
+    def __init__(self, labels: dict[str, str]):
+        self._families = []
+        self._tiles = self._audio = self._captures = self._retired = self._send = None
+        self._seconds: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._pending = self._nothing_pending()
+        self._seen_captures = self._seen_retired = 0
+        self._wake = threading.Event()
+        self._closing = False
+        self._reporter = None
+        family_cls = getattr(pb_utils, "MetricFamily", None)
+        if family_cls is None:
+            log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
+            return
+        try:
+
+            def counter(name: str, description: str):
+                family = family_cls(name=name, description=description, kind=family_cls.COUNTER)
+                self._families.append(family)
+                return family
+
+            self._tiles = counter("auk_vae_tiles_sent_total", "Decoded tiles sent (streamed or concatenated)").Metric(
+                labels=labels
+            )
+            self._audio = counter("auk_vae_audio_seconds_total", "Seconds of audio decoded and sent").Metric(
+                labels=labels
+            )
+            seconds = counter(
+                "auk_vae_decode_seconds_total",
+                "Time launching tile decodes and waiting for their samples, by tier (compiled, graph, eager)",
+            )
+            self._seconds = {tier: seconds.Metric(labels={**labels, "tier": tier}) for tier in TIERS}
+            self._send = counter(
+                "auk_vae_send_seconds_total",
+                "Wall time the streaming model waits in response sends (each returns once the server "
+                "has written the response to the client's connection)",
+            ).Metric(labels=labels)
+            self._captures = counter("auk_vae_graph_captures_total", "Plain CUDA graphs captured").Metric(
+                labels=labels
+            )
+            self._retired = counter(
+                "auk_vae_graph_generations_retired_total", "Generations of plain CUDA graphs retired"
+            ).Metric(labels=labels)
+        except Exception as err:  # metrics disabled on the server, or an older backend
+            log("warn", f"custom metrics are unavailable ({err}); the model exports none")
+            self._families, self._seconds = [], {}
+            self._tiles = self._audio = self._captures = self._retired = self._send = None
+            return
+        self._reporter = threading.Thread(target=self._report_until_closed, name="auk-metrics", daemon=True)
+        self._reporter.start()
+
+    @staticmethod
+    def _nothing_pending() -> dict:
+        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0,
+                "seconds": dict.fromkeys(TIERS, 0.0)}
+
+    def record(self, decoded: list, send_seconds: float, graph: AuKVAEDecodeGraph) -> None:
+        """Add one request's tiles ((tier, seconds, audio seconds) each), send time and the
+        graph wrapper's capture counts to what the reporter sends next."""
+        if self._reporter is None:
+            return
+        with self._lock:
+            pending = self._pending
+            for tier, seconds, audio_seconds in decoded:
+                pending["tiles"] += 1
+                pending["audio"] += audio_seconds
+                pending["seconds"][tier or "eager"] += seconds
+            pending["send"] += send_seconds
+            pending["captures"] += graph.captures - self._seen_captures
+            pending["retired"] += graph.generations_retired - self._seen_retired
+            self._seen_captures, self._seen_retired = graph.captures, graph.generations_retired
+        self._wake.set()
+
+    def _report_until_closed(self) -> None:
+        # `_closing` is checked after every report too: `_report` clears `_wake`, so a
+        # `close` during the delay would otherwise leave this thread waiting forever.
+        while not self._closing:
+            self._wake.wait()
+            if self._closing:
+                return
+            time.sleep(self.REPORT_DELAY_S)  # let the response reach its client first
+            self._report()
+
+    def _report(self) -> None:
+        with self._lock:
+            self._wake.clear()
+            pending, self._pending = self._pending, self._nothing_pending()
+        increments = [
+            (self._tiles, pending["tiles"]),
+            (self._audio, pending["audio"]),
+            (self._send, pending["send"]),
+            (self._captures, pending["captures"]),
+            (self._retired, pending["retired"]),
+        ] + [(self._seconds[tier], seconds) for tier, seconds in pending["seconds"].items()]
+        try:
+            for metric, amount in increments:
+                if amount > 0:
+                    metric.increment(amount)
+        except Exception as err:  # the server is shutting down
+            log("warn", f"could not update the model's metrics: {err}")
+
+    def close(self) -> None:
+        """Stop the reporter and send what it has not."""
+        if self._reporter is None:
+            return
+        self._closing = True
+        self._wake.set()
+        self._reporter.join()
+        self._reporter = None
+        self._report()

@@ -1,0 +1,137 @@
+"""The graph tiers on a CUDA GPU: exactness, tolerance, retirement and memory. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from auk_triton.codec.decode_graph import AuKVAEDecodeGraph
+from auk_triton.codec.synthetic import write_synthetic_checkpoint
+from auk_triton.codec.vae import AuKVAE
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+COMPILED_TOLERANCE = 1e-3
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def latents(frames: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, frames, 64, generator=generator).cuda()
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory):
+    checkpoint = write_synthetic_checkpoint(tmp_path_factory.mktemp("small"), "small")
+    return AuKVAE.from_pretrained(checkpoint, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def warm(vae):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(128, 512))
+    graph.warmup("cuda")
+    assert graph.compiled_bucket(100) == 128 and graph.compiled_bucket(512) == 512
+    return graph
+
+
+@pytest.mark.parametrize("frames", [1, 37, 128, 300, 777])
+def test_a_plain_graph_replay_is_bit_identical_with_eager(vae, frames):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=())
+    for seed in (0, 1):  # the first call captures, the second replays the same graph
+        clip = latents(frames, seed)
+        out = graph(clip)
+        assert graph.last_mode == "graph"
+        assert torch.equal(out, vae.decode(clip))
+    assert graph.captures == 1
+
+
+@pytest.mark.parametrize("frames", [128, 512])
+def test_a_compiled_bucket_is_close_to_eager(warm, vae, frames):
+    clip = latents(frames, 2)
+    out = warm(clip)
+    assert warm.last_mode == "compiled"
+    assert rel_l2(out, vae.decode(clip)) < COMPILED_TOLERANCE
+
+
+def test_a_padded_clip_differs_from_eager_only_in_its_last_frames(warm, vae):
+    frames, hop = 100, vae.hop_size
+    _, right = vae.decode_context_frames()
+    clip = latents(frames, 3)
+    out, expected = warm(clip), vae.decode(clip)
+    assert warm.last_mode == "compiled" and out.shape == expected.shape
+    settled = (frames - right - 1) * hop
+    assert rel_l2(out[:, :settled], expected[:, :settled]) < COMPILED_TOLERANCE
+
+
+def test_after_max_graphs_lengths_the_generation_is_retired_and_results_stay_right(vae):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(), max_graphs=4)
+    lengths = list(range(20, 30)) + [20, 21]
+    for seed, frames in enumerate(lengths):
+        clip = latents(frames, seed)
+        assert torch.equal(graph(clip), vae.decode(clip))
+    assert graph.generations_retired == 2
+    assert graph.captures == 12
+
+
+def test_a_ten_minute_clip_decodes_in_tiles_within_one_tiles_memory(warm, vae):
+    frames = 30000
+    clip = latents(frames, 4)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    vae.decode(clip[:, :512])
+    torch.cuda.synchronize()
+    one_tile = torch.cuda.max_memory_allocated() - base
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = warm(clip)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert warm.last_mode == "tiled"
+    output_bytes = out.numel() * out.element_size()
+    assert peak <= one_tile + output_bytes, (peak, one_tile, output_bytes)
+    assert rel_l2(out, vae.decode(clip)) < COMPILED_TOLERANCE
+
+
+def test_inside_an_outer_capture_the_wrapper_decodes_eager(vae):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=())
+    clip = latents(40, 5)
+    expected = vae.decode(clip)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        vae.decode(clip)  # warm the eager kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        out = graph(clip)
+    outer.replay()
+    torch.cuda.synchronize()
+    assert graph.captures == 0 and graph.last_mode == "eager"
+    assert torch.equal(out, expected)
+
+
+def test_a_window_whose_plain_graph_cannot_be_captured_is_decoded_eager(vae, monkeypatch):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=())
+
+    def fail_capture(frames, decode, pool):
+        raise torch.cuda.OutOfMemoryError("no memory for the graph")
+
+    monkeypatch.setattr(graph, "_capture", fail_capture)
+    clip = latents(45, 6)
+    out = graph(clip)
+    assert graph.last_mode == "eager"
+    assert torch.equal(out, vae.decode(clip))
+
+
+def test_latents_on_another_device_than_the_vae_are_never_replayed(tmp_path):
+    cpu_vae = AuKVAE.from_pretrained(write_synthetic_checkpoint(tmp_path / "small", "small"), device="cpu")
+    graph = AuKVAEDecodeGraph(cpu_vae, compile_shapes=())
+    with pytest.raises(RuntimeError):  # eager, on mismatched devices: torch refuses
+        graph(latents(20, 7))
+    assert graph.last_mode == "eager" and graph.captures == 0

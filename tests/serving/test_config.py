@@ -1,0 +1,156 @@
+"""The serving settings: config parameters and AUK_* variables, each with its one default."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES
+from auk_triton.serving.config import (
+    DecodeSettings,
+    DiTSettings,
+    bool_parameter,
+    cache_dir_path,
+    checkpoint_path,
+    config_parameters,
+    environment_cache_dir,
+    int_parameter,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+
+def shipped_config(model: str) -> dict:
+    """The parameters of a shipped config.pbtxt, in the JSON form Triton hands the model."""
+    text = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+    pairs = re.findall(r'\{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}', text)
+    return {"parameters": {key: {"string_value": value} for key, value in pairs}}
+
+
+@pytest.mark.parametrize("model", ["auk_vae_decode", "auk_vae_decode_offline"])
+def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
+    settings = DecodeSettings.from_model_config(shipped_config(model), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
+    assert settings.checkpoint == ""
+    assert settings.compile_shapes == (32, 128, 256, 512)
+    assert settings.tile_frames is None and settings.first_tile_frames is None
+    assert settings.first_window_frames() == 32, "a long clip starts with the smallest bucket"
+    assert settings.fused_activation is True and settings.channels_last is True
+    assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
+    assert settings.enable_cuda_graphs is True
+    assert settings.cache_dir == Path("/c")
+
+
+def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
+    for model in ("auk_vae_decode", "auk_vae_decode_offline", "auk_dit"):
+        folder = REPO_ROOT / "model_repository" / model
+
+        def body(path: Path) -> str:
+            lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+            return "\n".join(lines).replace("KIND_GPU", "KIND_CPU")
+
+        assert body(folder / "config.pbtxt") == body(folder / "configs" / "gpu.pbtxt"), model
+
+
+def test_auk_checkpoint_overrides_the_parameter_and_relative_parameters_follow_the_model_folder(tmp_path):
+    config = {"parameters": {"checkpoint": {"string_value": "weights"}, "tile_frames": {"string_value": "0"}}}
+    settings = DecodeSettings.from_model_config(config, tmp_path, environ={})
+    assert settings.checkpoint == str(tmp_path / "weights")
+    assert settings.tile_frames == 0
+    settings = DecodeSettings.from_model_config(config, tmp_path, environ={"AUK_CHECKPOINT": "/ckpt"})
+    assert settings.checkpoint == "/ckpt"
+
+
+def test_a_relative_auk_checkpoint_is_taken_from_the_working_directory_by_every_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    environ = {"AUK_CHECKPOINT": "ckpt"}
+    config = {"parameters": {"checkpoint": {"string_value": "weights"}}}
+    decoder = DecodeSettings.from_model_config(config, tmp_path / "auk_vae_decode", environ=environ).checkpoint
+    dit = checkpoint_path(config_parameters(config), tmp_path / "auk_dit", environ)
+    assert decoder == dit == str(Path.cwd() / "ckpt")
+
+
+def test_a_relative_checkpoint_parameter_is_taken_from_the_model_folder(tmp_path):
+    model_dir = tmp_path / "auk_dit"
+    assert checkpoint_path({"checkpoint": "weights"}, model_dir, environ={}) == str(model_dir / "weights")
+    assert checkpoint_path({"checkpoint": "/weights"}, model_dir, environ={}) == "/weights"
+    assert checkpoint_path({"checkpoint": ""}, model_dir, environ={}) == "", "neither set: the synthetic preset"
+
+
+def test_a_relative_cache_dir_parameter_is_taken_from_the_model_folder_before_auk_cache_dir(tmp_path):
+    model_dir = tmp_path / "auk_dit"
+    environ = {"AUK_CACHE_DIR": "/elsewhere"}
+    assert cache_dir_path({"cache_dir": "cache"}, model_dir, environ) == model_dir / "cache"
+    assert cache_dir_path({"cache_dir": ""}, model_dir, environ) == Path("/elsewhere")
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("1", True), ("true", True), ("Yes", True), ("ON", True), ("0", False), ("false", False), ("no", False),
+     ("Off", False), ("", True)],
+)
+def test_every_model_reads_the_same_boolean_spellings(text, value, tmp_path):
+    params = {"enable_cuda_graphs": text}
+    assert bool_parameter(params, "enable_cuda_graphs", True) is value  # as auk_dit reads it
+    config = {"parameters": {"enable_cuda_graphs": {"string_value": text}}}
+    assert DecodeSettings.from_model_config(config, tmp_path, environ={}).enable_cuda_graphs is value
+
+
+def test_a_bad_parameter_value_fails_naming_the_parameter_and_the_value():
+    with pytest.raises(ValueError, match="max_steps is 'many'; it must be an integer"):
+        int_parameter({"max_steps": "many"}, "max_steps", 1000, 1)
+    with pytest.raises(ValueError, match="max_graphs is -1; it must be at least 0"):
+        int_parameter({"max_graphs": "-1"}, "max_graphs", 4, 0)
+    with pytest.raises(ValueError, match="enable_cuda_graphs is 'Maybe'; use true or false"):
+        bool_parameter({"enable_cuda_graphs": "Maybe"}, "enable_cuda_graphs", True)
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("compile_shapes", "128,x", "comma-separated"),
+        ("compile_shapes", "0,128", "positive"),
+        ("tile_frames", "big", "must be an integer"),
+        ("max_frames", "0", "at least 1"),
+        ("enable_cuda_graphs", "maybe", "true or false"),
+        ("fused_activation", "fast", "true or false"),
+        ("channels_last", "yes please", "true or false"),
+        ("first_tile_frames", "-1", "at least 0"),
+    ],
+)
+def test_a_bad_config_parameter_fails_the_load_naming_it(name, value, words, tmp_path):
+    with pytest.raises(ValueError, match=f"{name}.*{words}"):
+        DecodeSettings.from_model_config({"parameters": {name: {"string_value": value}}}, tmp_path, environ={})
+
+
+@pytest.mark.parametrize(
+    "shapes, first_tile, window",
+    [("256,512", "", 256), ("128,512", "64", 64), ("128,512", "0", None), ("none", "", None), ("", "", 32)],
+)
+def test_the_first_window_is_the_smallest_bucket_unless_configured(shapes, first_tile, window, tmp_path):
+    params = {"compile_shapes": {"string_value": shapes}, "first_tile_frames": {"string_value": first_tile}}
+    settings = DecodeSettings.from_model_config({"parameters": params}, tmp_path, environ={})
+    assert settings.first_window_frames() == window
+
+
+def test_a_config_that_leaves_every_parameter_out_gets_the_documented_defaults(tmp_path):
+    decode = DecodeSettings.from_model_config({"parameters": {}}, tmp_path, environ={})
+    assert decode.compile_shapes == DEFAULT_COMPILE_SHAPES == (32, 128, 256, 512)
+    assert decode.first_window_frames() == 32 and decode.tile_frames is None
+    assert (decode.max_graphs, decode.max_frames, decode.fused_activation, decode.channels_last) == (32, 30000, True, True)
+    dit = DiTSettings.from_model_config({}, tmp_path, environ={})
+    assert (dit.dtype, dit.max_steps, dit.max_frames, dit.max_graphs, dit.enable_cuda_graphs) == (
+        "auto", 1000, 30000, 4, True)
+
+
+def test_the_launcher_and_the_models_take_the_same_cache_folder(tmp_path):
+    assert environment_cache_dir({}) == DecodeSettings.from_model_config({}, tmp_path, environ={}).cache_dir
+    assert environment_cache_dir({"AUK_CACHE_DIR": "/c"}) == Path("/c")
+    assert DiTSettings.from_model_config({}, tmp_path, environ={"AUK_CACHE_DIR": "/c"}).cache_dir == Path("/c")
+
+
+def test_a_bad_dit_dtype_fails_the_load_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="dtype is 'half'; use one of auto, bfloat16, float32"):
+        DiTSettings.from_model_config({"parameters": {"dtype": {"string_value": "half"}}}, tmp_path, environ={})

@@ -1,0 +1,70 @@
+"""The decode model's metrics reporter, in this process.
+
+The Python backend's `MetricFamily` is a round trip to the server, so here a
+small recording stand-in takes its place: these tests are about the
+reporter's threading (every count reported once, `close` never hangs), not
+about Triton. The served metrics are tested against a real server in
+`test_streaming.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+
+class RecordingFamily:
+    COUNTER = "counter"
+    totals: dict[tuple, float] = {}
+
+    def __init__(self, name: str, description: str, kind: str):
+        self.name = name
+
+    def Metric(self, labels: dict):
+        key = (self.name, tuple(sorted(labels.items())))
+        RecordingFamily.totals.setdefault(key, 0.0)
+
+        class Counter:
+            def increment(self, amount):
+                RecordingFamily.totals[key] += amount
+
+        return Counter()
+
+
+@pytest.fixture
+def metrics_class(monkeypatch):
+    backend = types.ModuleType("triton_python_backend_utils")
+    backend.MetricFamily = RecordingFamily
+    backend.Logger = None  # log() falls back to print where the stub's logger is missing
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
+    stubbed = ("auk_triton.serving.metrics", "auk_triton.serving.triton_io")
+    for name in stubbed:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    RecordingFamily.totals = {}
+    module = importlib.import_module("auk_triton.serving.metrics")
+    yield module.DecodeMetrics
+    for name in stubbed:
+        sys.modules.pop(name, None)
+
+
+def total(name: str) -> float:
+    return sum(amount for (family, _), amount in RecordingFamily.totals.items() if family == name)
+
+
+def test_close_during_the_report_delay_returns_and_reports_everything_once(metrics_class):
+    graph = types.SimpleNamespace(captures=0, generations_retired=0)
+    for _ in range(20):  # close at every point of the reporter's cycle
+        metrics = metrics_class({"model": "m", "version": "1"})
+        metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)
+        time.sleep(metrics.REPORT_DELAY_S / 3)  # the reporter is in its delay now
+        closer = threading.Thread(target=metrics.close, daemon=True)
+        closer.start()
+        closer.join(timeout=5)
+        assert not closer.is_alive(), "close() hung: the reporter thread never saw it"
+    assert total("auk_vae_tiles_sent_total") == 20
+    assert total("auk_vae_audio_seconds_total") == pytest.approx(40.0)

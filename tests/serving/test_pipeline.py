@@ -1,0 +1,231 @@
+"""auk_dit and the auk_pipeline ensemble on a real tritonserver (CPU, small synthetic weights)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import wave
+
+import numpy as np
+import pytest
+from triton_harness import REPO_ROOT, closed_port, copy_model_repository, start_triton
+
+pytest.importorskip("tritonclient.grpc")
+from auk_client.pipeline import generate_latents, main as pipeline_main, random_prompt_embeds, stream_pipeline  # noqa: E402
+from auk_client.stream import AuKClientError, assemble, stream_decode  # noqa: E402
+
+HOP = 480
+DIT_MODELS = ("auk_dit", "auk_pipeline")
+
+
+def _checkpoint_with_dit(source, dest):
+    """A copy of the codec checkpoint with the small synthetic DiT added (the source stays codec-only)."""
+    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+
+    shutil.copytree(source, dest)
+    return write_synthetic_dit_checkpoint(dest, preset="small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory, small_checkpoint):
+    """The streaming decoder (small tiles), auk_dit and auk_pipeline on one server."""
+    workdir = tmp_path_factory.mktemp("pipeline")
+    checkpoint = _checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
+    repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode",))
+    for model in DIT_MODELS:
+        shutil.copytree(REPO_ROOT / "model_repository" / model, repository / model,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    # A stream request that Triton itself rejects (wrong shape) keeps its model "live" for
+    # the whole exit timeout at shutdown (Triton 2.51): do not wait the default 30 s.
+    server = start_triton(workdir, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
+    yield server
+    server.stop()
+
+
+def _stitch(tiles):
+    starts = [t.start_sample for t in tiles]
+    assert starts == sorted(starts) and starts[0] == 0
+    assert starts[1:] == [t.end_sample for t in tiles[:-1]], "each tile starts where the previous one ended"
+    return assemble(tiles)
+
+
+def test_pipeline_streams_the_decode_of_the_dit_latents(pipeline_server):
+    url = pipeline_server.grpc_url
+    embeds = random_prompt_embeds(9, seed=0)
+    request = dict(prompt_embeds=embeds, seconds=6.0, seed=11, num_steps=4)  # CFG on: the default 2.0
+
+    tiles = list(stream_pipeline(**request, url=url))  # returns only after the final flag
+    assert len(tiles) >= 3, "300 frames in 128-frame tiles span several responses"
+    audio = _stitch(tiles)
+
+    latents = generate_latents(**request, url=url)
+    assert latents.shape == (300, 64) and latents.dtype == np.float32 and np.isfinite(latents).all()
+    expected = assemble(list(stream_decode(latents, url=url, timeout=600)))
+    assert audio.shape == (300 * HOP,)
+    np.testing.assert_array_equal(audio, expected)
+
+    # Same seed, same latents; another seed, others.
+    np.testing.assert_array_equal(generate_latents(**request, url=url), latents)
+    assert not np.array_equal(generate_latents(**{**request, "seed": 12}, url=url), latents)
+
+
+def test_optional_inputs_pass_through_the_ensemble(pipeline_server):
+    url = pipeline_server.grpc_url
+    embeds = random_prompt_embeds(4, seed=1)
+    ref = np.random.default_rng(0).standard_normal((20, 64)).astype(np.float32)
+    knobs = dict(num_steps=2, guidance=0.0, sway=0.0, ref_latents=ref)
+    latents = generate_latents(embeds, 0.1, 3, url=url, **knobs)
+    assert latents.shape == (5, 64)  # 0.1 s sent as FP32 is still 5 frames
+    assert not np.array_equal(latents, generate_latents(embeds, 0.1, 3, url=url, num_steps=2))
+    audio = assemble(list(stream_pipeline(embeds, 0.1, 3, url=url, **knobs)))
+    np.testing.assert_array_equal(audio, assemble(list(stream_decode(latents, url=url, timeout=600))))
+
+
+def test_dit_over_http(pipeline_server):
+    import tritonclient.http as httpclient
+
+    from auk_client.pipeline import pipeline_inputs
+
+    embeds = random_prompt_embeds(3, seed=2)
+    client = httpclient.InferenceServerClient(pipeline_server.http_url, network_timeout=120)
+    try:
+        result = client.infer("auk_dit", pipeline_inputs(httpclient, embeds, 0.2, 4, num_steps=2))
+    finally:
+        client.close()
+    np.testing.assert_array_equal(
+        result.as_numpy("LATENTS"), generate_latents(embeds, 0.2, 4, url=pipeline_server.grpc_url, num_steps=2)
+    )
+
+
+BAD_REQUESTS = [
+    (dict(seconds=0.0), "positive number of seconds"),
+    (dict(seconds=-2.0), "positive number of seconds"),
+    (dict(seconds=float("nan")), "positive number of seconds"),
+    (dict(num_steps=0), "at least 1"),
+    (dict(num_steps=5000), "max_steps"),
+    (dict(sway=-5.0), "strictly increase"),
+    (dict(guidance=float("inf")), "guidance must be finite"),
+    (dict(prompt_embeds=np.full((2, 2048), np.nan, np.float32)), "finite"),
+    (dict(prompt_embeds=np.zeros((2, 1024), np.float32)), "PROMPT_EMBEDS"),  # Triton's shape check
+    (dict(ref_latents=np.zeros((65536, 64), np.float32)), "MAX_LATENT_FRAMES"),
+    (dict(seconds=3600.0), "180000 target frames exceed this model's max_frames of 30000"),
+]
+
+
+@pytest.mark.parametrize("model", ["auk_pipeline", "auk_dit"])
+def test_bad_inputs_get_errors_and_the_server_keeps_serving(pipeline_server, model):
+    url = pipeline_server.grpc_url
+    base = dict(prompt_embeds=random_prompt_embeds(2, seed=3), seconds=0.2, seed=0, num_steps=2)
+    for change, message in BAD_REQUESTS:
+        request = {**base, **change}
+        with pytest.raises(AuKClientError, match=message):
+            if model == "auk_pipeline":
+                list(stream_pipeline(**request, url=url, check=False, timeout=60))
+            else:
+                generate_latents(**request, url=url, check=False, timeout=60)
+    assert pipeline_server.is_ready()
+    tiles = list(stream_pipeline(**base, url=url))
+    assert _stitch(tiles).shape == (10 * HOP,)
+
+
+def test_missing_inputs_are_refused(pipeline_server):
+    import tritonclient.grpc as grpcclient
+
+    from auk_client.pipeline import pipeline_inputs
+
+    inputs = pipeline_inputs(grpcclient, random_prompt_embeds(2, seed=0), 0.2, 0)
+    client = grpcclient.InferenceServerClient(pipeline_server.grpc_url)
+    try:
+        with pytest.raises(Exception, match="SEED"):
+            client.infer("auk_dit", [i for i in inputs if i.name() != "SEED"])
+    finally:
+        client.close()
+
+
+def test_cli_writes_the_streamed_audio(pipeline_server, tmp_path, capsys):
+    out = tmp_path / "gen.wav"
+    status = pipeline_main([
+        "--random-tokens", "5", "--seconds", "0.5", "--seed", "2", "--steps", "2",
+        "--url", pipeline_server.grpc_url, "-o", str(out),
+    ])
+    assert status == 0
+    with wave.open(str(out)) as wav:
+        assert wav.getframerate() == 24000 and wav.getnchannels() == 1 and wav.getnframes() == 25 * HOP
+    assert "stand-in" in capsys.readouterr().err
+
+
+def one_pipeline_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {lines}"
+    assert lines[0].startswith("auk-client pipeline: error: "), lines[0]
+    return lines[0]
+
+
+def test_cli_leaves_no_wav_behind_when_the_server_refuses_the_request(pipeline_server, tmp_path, capsys):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--steps", "5000", "--url", pipeline_server.grpc_url, "-o", str(out),
+    ])
+    assert status == 1
+    assert "max_steps" in one_pipeline_error_line(capsys)
+    assert not out.exists()
+
+
+def test_cli_reports_an_unwritable_output_path_in_one_line_as_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "no_such_folder" / "gen.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert f"cannot write {out}" in one_pipeline_error_line(capsys)
+
+
+def test_cli_refuses_a_negative_seed_in_one_line_naming_the_option(tmp_path, capsys):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", "0.2", "--seed", "-1", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert "--seed" in one_pipeline_error_line(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("seconds", ["-1", "0", "nan"])
+def test_cli_refuses_a_duration_that_is_not_positive_before_asking_the_server(tmp_path, capsys, seconds):
+    out = tmp_path / "never.wav"
+    status = pipeline_main([
+        "--random-tokens", "2", "--seconds", seconds, "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
+    ])
+    assert status == 2
+    assert "--seconds must be a positive number" in one_pipeline_error_line(capsys)
+    assert not out.exists()
+
+
+def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_path, small_checkpoint):
+    """A codec-only checkpoint (with a dit section but no auk.safetensors): auk_dit's load fails naming the file."""
+    import os
+    import subprocess
+
+    from auk_triton.server import TritonNotFound, server_command
+    from auk_triton.diffusion.synthetic import PRESETS
+
+    repository = tmp_path / "model_repository"
+    shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    codec_only = tmp_path / "checkpoint"
+    shutil.copytree(small_checkpoint, codec_only)
+    assert not (codec_only / "auk.safetensors").exists()
+    config = json.loads((codec_only / "config.json").read_text())
+    (codec_only / "config.json").write_text(json.dumps({**config, "dit": PRESETS["small"]}))
+
+    env = dict(os.environ, AUK_CHECKPOINT=str(codec_only), AUK_DEVICE="cpu", AUK_CACHE_DIR=str(tmp_path / "cache"))
+    try:
+        argv, env = server_command(repository, ports={"http": 0, "grpc": 0, "metrics": 0}, env=env,
+                                   extra_args=["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"])
+    except TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    # The only model fails to load, so the server exits on its own.
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "failed to load 'auk_dit'" in done.stdout + done.stderr
+    assert f"missing {codec_only / 'auk.safetensors'}" in done.stdout + done.stderr
