@@ -108,7 +108,10 @@ def server_command(
     (default: this process's).
     """
     env = dict(os.environ if env is None else env)
-    ports = {kind: (ports or {}).get(kind) or config.port(env, kind) for kind in config.DEFAULT_PORTS}
+    ports = dict(ports or {})
+    for kind in config.DEFAULT_PORTS:
+        if kind not in ports:
+            ports[kind] = config.port(env, kind)
     if model_repository:
         repository = Path(model_repository).absolute()
     else:
