@@ -28,8 +28,17 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    fails (out of memory, an op that cannot be captured) decodes eager until the
    next retirement, not a failed capture per window.
 
+4. Batched rows (`decode_rows`): windows of several clips that share a bucket
+   decode in one replay of a plain graph captured for [B, bucket, latent_dim]
+   (B from `batch_sizes`, at most `batch_frames` frames per replay, so one replay
+   never takes much longer than one full tile). Rows are independent: each is
+   right-padded like a bucket, and a row's samples are those of the same window
+   decoded alone through a plain graph, which differs from its compiled bucket at
+   the compiled tier's rounding.
+
 Off CUDA, while an outer graph is being captured, or with `enabled=False`,
-everything runs eager (tiling included in `decode_tiles`).
+everything runs eager (tiling included in `decode_tiles`; rows batch only with
+rows of the same length there, so no padding changes them).
 
 Not thread-safe: the graphs' input and output buffers, `last_mode` and the
 graph cache are shared by all calls, so one caller at a time (the Triton
@@ -83,6 +92,8 @@ class AuKVAEDecodeGraph:
         compile_shapes: Sequence[int] = DEFAULT_COMPILE_SHAPES,
         tile_frames: int | None = None,
         first_tile_frames: int | None = None,
+        batch_sizes: Sequence[int] = (1,),
+        batch_frames: int | None = None,
     ):
         self.vae = vae
         self.enabled = bool(enabled)
@@ -105,6 +116,9 @@ class AuKVAEDecodeGraph:
                 f"first_tile_frames={self.first_tile_frames} (by default the smallest compile shape) does not "
                 f"exceed the decoder's right context of {right} frames: the first tile would emit nothing"
             )
+        self.batch_sizes = sorted({int(b) for b in batch_sizes if int(b) > 1} | {1})
+        # Frames one batched replay may decode; by default one full tile's worth.
+        self.batch_frames = int(batch_frames or self.tile_frames or max(self.compile_shapes, default=0))
         self.last_mode: str | None = None
         self.captures = 0
         self.generations_retired = 0
@@ -112,6 +126,9 @@ class AuKVAEDecodeGraph:
         self._graphs: dict[int, _Graph] = {}
         self._uncapturable: set[int] = set()  # lengths whose capture failed, this generation
         self._pool = None
+        self._batched: dict[tuple[int, int], _Graph] = {}  # (bucket, rows) -> graph
+        self._batched_pool = None  # one pool: replays run one at a time, outputs copied out first
+        self._uncapturable_rows: set[tuple[int, int]] = set()
         self._compiled_decode: Callable | None = None
         self._zero_latent = vae.zero_latent()
 
@@ -121,8 +138,53 @@ class AuKVAEDecodeGraph:
         """The smallest compiled bucket that holds `frames` latents, or None past the largest."""
         return min((b for b in self._buckets if b >= frames), default=None)
 
+    def plan(self, frames: int) -> list[tuple[int, int, int, int]]:
+        """The decode windows of a clip of `frames`: (start, frames, emit_start, emit_end) each."""
+        if not self.tile_frames:
+            return [(0, frames, 0, frames)]
+        left, right = self.context_frames
+        return plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, self.first_tile_frames)
+
+    def batch_key(self, frames: int, device: torch.device) -> int:
+        """Windows with the same key can decode together in `decode_rows`: the bucket that
+        serves `frames` on a GPU with compiled buckets, else the length itself."""
+        if self.enabled and device.type == "cuda":
+            return self.compiled_bucket(frames) or frames
+        return frames
+
+    def batch_capacity(self, key: int) -> int:
+        """The most rows `decode_rows` takes for windows of `key` (`batch_key`)."""
+        return max(b for b in self.batch_sizes if b == 1 or b * key <= self.batch_frames)
+
+    def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode windows ([1, frames_i, latent_dim] each, one `batch_key`, at most its
+        `batch_capacity`) together; return each one's waveform [frames_i * hop_size].
+
+        Views into graph buffers where a graph served them: copy them before the next decode.
+        """
+        if len(rows) == 1:
+            return [self._decode_window(rows[0])[0]]
+        hop = self.vae.hop_size
+        first = rows[0]
+        with torch.no_grad():
+            if not self._replayable(first) or self.compiled_bucket(first.shape[1]) is None:
+                # Eager: rows of one length, stacked as they are (batch rows never mix).
+                self.last_mode = "eager"
+                return list(self.vae(torch.cat(list(rows))))
+            bucket = self.compiled_bucket(max(row.shape[1] for row in rows))
+            size = min(b for b in self.batch_sizes if b >= len(rows))
+            entry = self._batched.get((bucket, size)) or self._capture_rows(bucket, size)
+            if entry is None:  # the batched graph cannot be captured: one window at a time
+                return [self._decode_window(row)[0].clone() for row in rows]
+            for index, row in enumerate(rows):
+                self._load(entry.static_in[index : index + 1], row)
+            entry.graph.replay()
+            self.last_mode = "batched"
+            return [entry.static_out[index, : row.shape[1] * hop] for index, row in enumerate(rows)]
+
     def warmup(self, device, on_bucket: Callable[[int, float, bool], None] | None = None) -> None:
-        """Compile the decode and capture every bucket in `compile_shapes`.
+        """Compile the decode and capture every bucket in `compile_shapes`, and a batched graph
+        for each of its batch sizes.
 
         Meant for service start: each bucket costs one Inductor compilation. A
         failure logs a warning and leaves that bucket to plain graphs.
@@ -144,6 +206,9 @@ class AuKVAEDecodeGraph:
                 except Exception as err:  # a bucket that cannot compile falls back to plain graphs
                     logger.warning("compiled bucket of %d frames failed, plain graphs serve it: %s", frames, err)
                     ok = False
+                for rows in self.batch_sizes[1:]:
+                    if ok and rows <= self.batch_capacity(frames):
+                        self._capture_rows(frames, rows)
                 seconds = time.perf_counter() - began
                 logger.info("bucket %d frames: %s in %.1f s", frames, "ready" if ok else "failed", seconds)
                 if on_bucket is not None:
@@ -176,14 +241,8 @@ class AuKVAEDecodeGraph:
         return self._windows(latents)
 
     def _windows(self, latents: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        frames = latents.shape[1]
-        if not self.tile_frames:
-            plan = [(0, frames, 0, frames)]
-        else:
-            left, right = self.context_frames
-            plan = plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, self.first_tile_frames)
         hop = self.vae.hop_size
-        for start, size, emit_start, emit_end in plan:
+        for start, size, emit_start, emit_end in self.plan(latents.shape[1]):
             wave = self._decode_window(latents[:, start : start + size])
             yield emit_start, wave[:, (emit_start - start) * hop : (emit_end - start) * hop]
 
@@ -306,8 +365,23 @@ class AuKVAEDecodeGraph:
         self.generations_retired += 1
         logger.info("retired a generation of %d plain graphs", self.max_graphs)
 
-    def _capture(self, frames: int, decode: Callable, pool) -> _Graph:
+    def _capture_rows(self, frames: int, rows: int) -> _Graph | None:
+        """The plain graph of `rows` windows of `frames` (a bucket's batched rows), captured once;
+        None where its capture fails (that batch then decodes one window at a time)."""
+        key = (frames, rows)
+        if key not in self._batched and key not in self._uncapturable_rows:
+            if self._batched_pool is None:
+                self._batched_pool = torch.cuda.graph_pool_handle()
+            try:
+                self._batched[key] = self._capture(frames, self.vae.forward, pool=self._batched_pool, rows=rows)
+            except Exception as err:  # out of memory, say
+                logger.warning("capturing %d rows of %d frames failed, they decode one at a time: %s",
+                               rows, frames, err)
+                self._uncapturable_rows.add(key)
+        return self._batched.get(key)
+
+    def _capture(self, frames: int, decode: Callable, pool, rows: int = 1) -> _Graph:
         device = self.vae.global_mean.device
-        static_in = self._zero_latent.to(device).expand(1, frames, -1).contiguous()
+        static_in = self._zero_latent.to(device).expand(rows, frames, -1).contiguous()
         graph, static_out = capture(lambda: decode(static_in), pool=pool)
         return _Graph(graph, static_in, static_out)

@@ -73,23 +73,22 @@ def path_parameter(params: Mapping[str, str], name: str, model_dir: str | Path) 
     return str(Path(model_dir) / value) if value and not os.path.isabs(value) else value
 
 
-def compile_shapes_parameter(params: Mapping[str, str], default: tuple[int, ...]) -> tuple[int, ...]:
-    """`compile_shapes`: comma-separated frame counts; "none" for no compiled buckets."""
-    text = params.get("compile_shapes", "").replace(" ", "")
+def list_parameter(params: Mapping[str, str], name: str, default: tuple[int, ...], example: str) -> tuple[int, ...]:
+    """Parameter `name`: comma-separated positive integers; "none" for an empty list."""
+    text = params.get(name, "").replace(" ", "")
     if text == "":
         return default
     if text.lower() == "none":
         return ()
     try:
-        shapes = tuple(int(s) for s in text.split(",") if s)
+        numbers = tuple(int(s) for s in text.split(",") if s)
     except ValueError:
         raise ValueError(
-            f"config parameter compile_shapes is {text!r}; "
-            "it must be a comma-separated list of frame counts such as \"128,256,512\", or none"
+            f"config parameter {name} is {text!r}; it must be a comma-separated list such as \"{example}\", or none"
         ) from None
-    if not shapes or any(s <= 0 for s in shapes):
-        raise ValueError(f"config parameter compile_shapes is {text!r}; frame counts must be positive")
-    return shapes
+    if not numbers or any(n <= 0 for n in numbers):
+        raise ValueError(f"config parameter {name} is {text!r}; its numbers must be positive")
+    return numbers
 
 
 def checkpoint_path(params: Mapping[str, str], model_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str:
@@ -126,6 +125,11 @@ class DecodeSettings:
     fused_activation: bool = True
     channels_last: bool = True
     max_frames: int = DEFAULT_MAX_FRAMES
+    # The tile scheduler: rows per batched replay, frames per replay (None: one tile's worth),
+    # and the requests it decodes at once (the rest wait in Triton's queue).
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    batch_frames: int | None = None
+    max_active_requests: int = 32
     cache_dir: Path = DEFAULT_CACHE_DIR
 
     @classmethod
@@ -140,7 +144,7 @@ class DecodeSettings:
         default = cls()
         return cls(
             checkpoint=checkpoint_path(params, model_dir, environ),
-            compile_shapes=compile_shapes_parameter(params, default.compile_shapes),
+            compile_shapes=list_parameter(params, "compile_shapes", default.compile_shapes, "128,256,512"),
             tile_frames=int_parameter(params, "tile_frames", default.tile_frames, 0),
             first_tile_frames=int_parameter(params, "first_tile_frames", default.first_tile_frames, 0),
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 1),
@@ -149,6 +153,9 @@ class DecodeSettings:
             fused_activation=bool_parameter(params, "fused_activation", default.fused_activation),
             channels_last=bool_parameter(params, "channels_last", default.channels_last),
             max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
+            batch_sizes=list_parameter(params, "batch_sizes", default.batch_sizes, "1,2,4,8,16") or (1,),
+            batch_frames=int_parameter(params, "batch_frames", default.batch_frames, 1),
+            max_active_requests=int_parameter(params, "max_active_requests", default.max_active_requests, 1),
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
 

@@ -10,6 +10,7 @@ the concatenated stream equals the offline waveform.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,8 @@ from auk_triton.codec.pcm16 import to_pcm16
 from .checkpoints import resolve_checkpoint
 from .config import DecodeSettings, use_compile_cache
 from .metrics import DecodeMetrics
-from .requests import require_finite, validate_latents
+from .requests import RequestError, require_finite, validate_latents
+from .scheduler import Iteration, Job, TileScheduler
 from .triton_io import (
     check_tensor_widths,
     failure_response,
@@ -34,6 +36,7 @@ from .triton_io import (
 )
 
 WAVEFORM, WAVEFORM_PCM16 = "WAVEFORM", "WAVEFORM_PCM16"
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def wants_pcm16(request) -> bool:
@@ -45,6 +48,80 @@ def wants_pcm16(request) -> bool:
     """
     names = set(request.requested_output_names())
     return WAVEFORM_PCM16 in names and WAVEFORM not in names
+
+
+def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
+    return [
+        output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, samples),
+        output_tensor("START_SAMPLE", torch.tensor([start_sample], dtype=torch.int64)),
+    ]
+
+
+class StreamSink:
+    """A streamed request: one response per tile, the last one with the final flag.
+
+    A separate empty final response would cost every request one more round trip
+    to the server and one more gRPC message, on the critical path of a one-tile
+    clip. Only a stream that stops before its last tile (cancelled) ends with an
+    empty final response; an error response carries the flag itself.
+    """
+
+    def __init__(self, model: str, request, pcm16: bool):
+        self.model, self.pcm16 = model, pcm16
+        self.sender = request.get_response_sender()
+        self.last_start: int | None = None  # the start sample of the last tile sent
+
+    def cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
+        response = pb_utils.InferenceResponse(output_tensors=tile_outputs(samples, start_sample, self.pcm16))
+        self.sender.send(response, flags=FINAL if last else 0)
+        self.last_start = start_sample
+
+    def fail(self, error: Exception) -> None:
+        try:
+            self.sender.send(failure_response(self.model, "decode", error), flags=FINAL)
+        except Exception as send_err:  # the client is gone: nothing to tell
+            log("error", f"{self.model}: could not send the error response: {send_err}")
+
+    def stop(self) -> None:
+        where = "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
+        log("info", f"{self.model}: request cancelled {where}")
+        self.sender.send(flags=FINAL)
+
+
+class OfflineSink:
+    """A request of the offline model: its tiles gathered into one response."""
+
+    def __init__(self, model: str, request):
+        self.model, self.request = model, request
+        self.parts: list[torch.Tensor] = []
+        self.error: Exception | None = None
+        self.ended = threading.Event()
+
+    def cancelled(self) -> bool:
+        return self.request.is_cancelled()
+
+    def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
+        self.parts.append(samples)
+        if last:
+            self.ended.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.ended.set()
+
+    def stop(self) -> None:
+        self.fail(RequestError("the request was cancelled"))
+
+    def response(self, pcm16: bool):
+        """The whole waveform once the last tile is in (or the error)."""
+        self.ended.wait()
+        if self.error is not None:
+            return failure_response(self.model, "decode", self.error)
+        waveform = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        return pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, pcm16))
 
 
 class TritonPythonModel:
@@ -74,6 +151,8 @@ class TritonPythonModel:
             compile_shapes=settings.compile_shapes,
             tile_frames=settings.tile_frames,
             first_tile_frames=settings.first_window_frames(),
+            batch_sizes=settings.batch_sizes,
+            batch_frames=settings.batch_frames,
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -81,10 +160,15 @@ class TritonPythonModel:
             log("info" if ok else "warn", f"{self.name}: bucket of {frames} frames {state} in {seconds:.1f} s")
 
         began = time.perf_counter()
-        self.graph.warmup(self.device, on_bucket=on_bucket)
         self.metrics = DecodeMetrics({"model": self.name, "version": str(args["model_version"])})
-        self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         self.frame_rate = self.vae.sample_rate / self.vae.hop_size
+        self.scheduler = TileScheduler(
+            self.graph, self.device, self.vae.sample_rate, self.vae.hop_size,
+            max_active=settings.max_active_requests, on_iteration=self._on_iteration,
+        )
+        # The scheduler's thread builds the graphs it replays (capture and replay on one thread).
+        self.scheduler.start(warmup=lambda: self.graph.warmup(self.device, on_bucket=on_bucket))
+        self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         log(
             "info",
             f"{self.name}: ready ({'decoupled, one response per tile' if self.decoupled else 'one response per request'}; "
@@ -113,11 +197,23 @@ class TritonPythonModel:
     # ---- requests -------------------------------------------------------------------------
 
     def execute(self, requests):
-        if not self.decoupled:
-            return [self._respond(request) for request in requests]
+        """Hand each request to the scheduler. The streaming model returns at once (its
+        scheduler sends the responses); the offline model waits for its requests' last tiles."""
+        jobs = []
         for request in requests:
-            self._stream(request)
-        return None
+            pcm16 = wants_pcm16(request)
+            sink = StreamSink(self.name, request, pcm16) if self.decoupled else OfflineSink(self.name, request)
+            arrived = time.monotonic()
+            try:
+                latents, check = self._latents(request)
+                job = Job(latents, sink, convert=to_pcm16 if pcm16 else None, check=check, arrived=arrived)
+                self.scheduler.submit(job)
+            except Exception as err:
+                sink.fail(err)
+            jobs.append((sink, pcm16))
+        if self.decoupled:
+            return None
+        return [sink.response(pcm16) for sink, pcm16 in jobs]
 
     def _latents(self, request) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """The request's LATENTS on the model's device as [1, frames, dim], and their check
@@ -126,7 +222,7 @@ class TritonPythonModel:
         On a GPU they go through pinned memory: a copy from pageable memory is
         staged by the driver and waited for, one from pinned memory is a DMA the
         host does not wait for (PyTorch keeps the pinned block until it is done).
-        There the check is left to `_tiles`, which runs it while the first window
+        There the check is left to the scheduler, which runs it while the first window
         decodes; on a CPU, where a decode is not asynchronous, it runs here first.
         """
         on_gpu = self.device.type == "cuda"
@@ -144,99 +240,19 @@ class TritonPythonModel:
         latents = pinned.copy_(latents).to(self.device, non_blocking=True)
         return latents.unsqueeze(0), lambda: require_finite(array)
 
-    def _tiles(self, latents: torch.Tensor, check: Callable[[], None] | None, decoded: list, pcm16: bool = False):
-        """Yield (start_sample, waveform on the host) per decoded tile, in order: float32,
-        or int16 (`to_pcm16`, converted on the device before the copy) when `pcm16`.
-
-        On a GPU the next tile's decode is launched before a tile is yielded, so the
-        GPU decodes it while this one is sent (a send waits for the server to write
-        the response to the client's socket). `check` (from `_latents`) runs while
-        the first window decodes, before any tile is yielded. Appends (tier,
-        seconds, audio seconds) per tile to `decoded`; the caller records them for
-        the metrics once the response is complete.
-        """
-        hop, rate = self.vae.hop_size, self.vae.sample_rate
-        convert = to_pcm16 if pcm16 else None
-        for tile in self.graph.host_tiles(latents, convert, look_ahead=latents.is_cuda, while_decoding=check):
-            decoded.append((tile.mode, tile.seconds, tile.samples.numel() / rate))
-            yield tile.start_frame * hop, tile.samples
-
-    def _respond(self, request):
-        decoded = []
-        try:
-            pcm16 = wants_pcm16(request)
-            parts = [wave for _, wave in self._tiles(*self._latents(request), decoded, pcm16)]
-            waveform = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return pb_utils.InferenceResponse(
-                output_tensors=[
-                    output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, waveform),
-                    output_tensor("START_SAMPLE", torch.zeros(1, dtype=torch.int64)),
-                ]
-            )
-        except Exception as err:
-            return failure_response(self.name, "decode", err)
-        finally:
-            self.metrics.record(decoded, 0.0, self.graph)
-
-    def _stream(self, request) -> None:
-        """Send one response per tile, the last one with the final flag.
-
-        A separate empty final response would cost every request one more round
-        trip to the server and one more gRPC message, on the critical path of a
-        one-tile clip. Only a stream that stops before its last tile (cancelled)
-        ends with an empty final response; an error response carries the flag itself.
-        """
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        decoded = []
-        send_seconds = 0.0  # in the tiles' sends
-        finished = False  # the final flag has been sent
-        try:
-            latents, check = self._latents(request)
-            total = latents.shape[1] * self.vae.hop_size
-            pcm16 = wants_pcm16(request)
-            for start, wave in self._tiles(latents, check, decoded, pcm16):
-                last = start + wave.numel() >= total
-                began = time.perf_counter()
-                sender.send(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[
-                            output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, wave),
-                            output_tensor("START_SAMPLE", torch.tensor([start], dtype=torch.int64)),
-                        ]
-                    ),
-                    flags=final if last else 0,
-                )
-                send_seconds += time.perf_counter() - began
-                if last:
-                    finished = True
-                    break
-                # Asking about cancellation is a round trip to the server: ask only
-                # where another tile would follow, so a one-tile clip never waits on it.
-                if sender.is_cancelled():
-                    log("info", f"{self.name}: request cancelled after the tile at sample {start}")
-                    break
-            if not finished:  # stopped before the last tile
-                sender.send(flags=final)
-        except Exception as err:
-            if finished:
-                log("error", f"{self.name}: after the final response: {type(err).__name__}: {err}")
-            else:
-                self._send_error(sender, failure_response(self.name, "decode", err))
-        finally:
-            self.metrics.record(decoded, send_seconds, self.graph)
-
-    def _send_error(self, sender, response) -> None:
-        """End the stream with an error response; a client that is gone must not fail `execute`."""
-        try:
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as send_err:  # the client is gone
-            log("error", f"{self.name}: could not send the error response: {send_err}")
+    def _on_iteration(self, report: Iteration) -> None:
+        """One scheduler iteration's numbers to the metrics (the reporter sends them later)."""
+        share = report.decode_seconds / max(1, len(report.tile_seconds))
+        self.metrics.record([(report.mode, share, seconds) for seconds in report.tile_seconds],
+                            report.send_seconds, self.graph)
+        self.metrics.record_iteration(report.rows, report.first_audio, report.active, report.underruns)
 
     def finalize(self):
+        if getattr(self, "scheduler", None) is not None:
+            self.scheduler.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
-        self.graph = self.vae = self.metrics = None
+        self.graph = self.vae = self.metrics = self.scheduler = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -11,7 +11,9 @@ from auk_triton.codec import AuKVAEDecodeGraph
 
 from .triton_io import log
 
-TIERS = ("compiled", "graph", "eager")
+TIERS = ("compiled", "batched", "graph", "eager")
+WINDOWS_PER_REPLAY_BUCKETS = [1, 2, 4, 8, 16, 32]
+FIRST_AUDIO_BUCKETS_S = [0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 
 class DecodeMetrics:
@@ -32,6 +34,7 @@ class DecodeMetrics:
     def __init__(self, labels: dict[str, str]):
         self._families = []
         self._tiles = self._audio = self._captures = self._retired = self._send = None
+        self._active = self._windows = self._first_audio = self._underruns = None
         self._seconds: dict[str, object] = {}
         self._lock = threading.Lock()
         self._pending = self._nothing_pending()
@@ -46,9 +49,7 @@ class DecodeMetrics:
         try:
 
             def counter(name: str, description: str):
-                family = family_cls(name=name, description=description, kind=family_cls.COUNTER)
-                self._families.append(family)
-                return family
+                return self._family(family_cls, name, description, family_cls.COUNTER)
 
             self._tiles = counter("auk_vae_tiles_sent_total", "Decoded tiles sent (streamed or concatenated)").Metric(
                 labels=labels
@@ -72,18 +73,50 @@ class DecodeMetrics:
             self._retired = counter(
                 "auk_vae_graph_generations_retired_total", "Generations of plain CUDA graphs retired"
             ).Metric(labels=labels)
+            self._underruns = counter(
+                "auk_vae_underruns_total", "Tiles sent after the audio already sent to their stream ran out"
+            ).Metric(labels=labels)
+            self._active = self._family(
+                family_cls, "auk_vae_active_requests", "Requests in the tile scheduler", family_cls.GAUGE
+            ).Metric(labels=labels)
+            self._windows = self._family(
+                family_cls, "auk_vae_windows_per_replay", "Decode windows per replay", family_cls.HISTOGRAM
+            ).Metric(labels=labels, buckets=WINDOWS_PER_REPLAY_BUCKETS)
+            self._first_audio = self._family(
+                family_cls, "auk_vae_first_audio_seconds",
+                "From a request's arrival at the model to its first tile sent", family_cls.HISTOGRAM,
+            ).Metric(labels=labels, buckets=FIRST_AUDIO_BUCKETS_S)
         except Exception as err:  # metrics disabled on the server, or an older backend
             log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
             self._tiles = self._audio = self._captures = self._retired = self._send = None
+            self._active = self._windows = self._first_audio = self._underruns = None
             return
         self._reporter = threading.Thread(target=self._report_until_closed, name="auk-metrics", daemon=True)
         self._reporter.start()
 
+    def _family(self, family_cls, name: str, description: str, kind):
+        family = family_cls(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
     @staticmethod
     def _nothing_pending() -> dict:
-        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0,
-                "seconds": dict.fromkeys(TIERS, 0.0)}
+        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0, "underruns": 0,
+                "seconds": dict.fromkeys(TIERS, 0.0), "windows": [], "first_audio": [], "active": None}
+
+    def record_iteration(self, windows: int, first_audio: list[float], active: int, underruns: int) -> None:
+        """Add one scheduler iteration: its windows per replay, the first-audio times of the
+        requests whose first tile it sent, the requests active after it, new underruns."""
+        if self._reporter is None:
+            return
+        with self._lock:
+            pending = self._pending
+            pending["windows"].append(windows)
+            pending["first_audio"].extend(first_audio)
+            pending["active"] = active
+            pending["underruns"] += underruns
+        self._wake.set()
 
     def record(self, decoded: list, send_seconds: float, graph: AuKVAEDecodeGraph) -> None:
         """Add one request's tiles ((tier, seconds, audio seconds) each), send time and the
@@ -123,10 +156,17 @@ class DecodeMetrics:
             (self._captures, pending["captures"]),
             (self._retired, pending["retired"]),
         ] + [(self._seconds[tier], seconds) for tier, seconds in pending["seconds"].items()]
+        increments.append((self._underruns, pending["underruns"]))
         try:
             for metric, amount in increments:
                 if amount > 0:
                     metric.increment(amount)
+            for value in pending["windows"]:
+                self._windows.observe(value)
+            for value in pending["first_audio"]:
+                self._first_audio.observe(value)
+            if pending["active"] is not None:
+                self._active.set(pending["active"])
         except Exception as err:  # the server is shutting down
             log("warn", f"could not update the model's metrics: {err}")
 

@@ -19,21 +19,27 @@ import pytest
 
 
 class RecordingFamily:
-    COUNTER = "counter"
-    totals: dict[tuple, float] = {}
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    totals: dict[tuple, float] = {}  # counters and gauges: their value; histograms: the sum observed
 
     def __init__(self, name: str, description: str, kind: str):
         self.name = name
 
-    def Metric(self, labels: dict):
+    def Metric(self, labels: dict, buckets=None):
         key = (self.name, tuple(sorted(labels.items())))
         RecordingFamily.totals.setdefault(key, 0.0)
 
-        class Counter:
+        class Metric:
             def increment(self, amount):
                 RecordingFamily.totals[key] += amount
 
-        return Counter()
+            def set(self, value):
+                RecordingFamily.totals[key] = value
+
+            def observe(self, value):
+                RecordingFamily.totals[key] += value
+
+        return Metric()
 
 
 @pytest.fixture
@@ -68,3 +74,14 @@ def test_close_during_the_report_delay_returns_and_reports_everything_once(metri
         assert not closer.is_alive(), "close() hung: the reporter thread never saw it"
     assert total("auk_vae_tiles_sent_total") == 20
     assert total("auk_vae_audio_seconds_total") == pytest.approx(40.0)
+
+
+def test_a_scheduler_iteration_reports_its_windows_first_audio_active_requests_and_underruns(metrics_class):
+    metrics = metrics_class({"model": "m", "version": "1"})
+    metrics.record_iteration(windows=4, first_audio=[0.01, 0.02], active=3, underruns=1)
+    metrics.record_iteration(windows=2, first_audio=[], active=1, underruns=0)
+    metrics.close()
+    assert total("auk_vae_windows_per_replay") == 6
+    assert total("auk_vae_first_audio_seconds") == pytest.approx(0.03)
+    assert total("auk_vae_active_requests") == 1, "the gauge holds the latest count"
+    assert total("auk_vae_underruns_total") == 1

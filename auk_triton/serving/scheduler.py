@@ -1,0 +1,343 @@
+"""The tile scheduler: one thread per model instance decodes the next window of every active
+request, several windows per replay, and hands each tile to its request's sink.
+
+Order. Each iteration serves the most urgent window first and fills the replay
+with other windows of the same batch key (`AuKVAEDecodeGraph.batch_key`) in the
+same order, up to that key's batch capacity:
+
+1. a request's first window, oldest request first, so first audio waits for at
+   most the iteration in flight;
+2. then by deadline: the moment the audio already sent to that stream runs out
+   if it is played from its first tile on.
+
+The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
+can, so a request ends as early as the GPU allows; the deadlines only order the
+windows (and count an underrun when a tile leaves after its deadline).
+
+On a GPU the next iteration's decode is launched before the tiles of this one
+are handed over (their samples are copied to pinned host memory first, in
+stream order, so the next replay cannot overwrite them): the GPU decodes while
+Python sends. A request's host-side check (NaN and infinite values) runs while
+its first window decodes; a request that fails it, or is cancelled, leaves its
+batch without touching the other rows.
+
+This module holds the policy and the thread; the Triton side (senders,
+responses, metrics) is the `StreamSink` the decode model gives each request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# A request that has waited longer than this before its first window may have been
+# abandoned: ask whether it was cancelled (a round trip to the server) before decoding it.
+STALE_FIRST_WINDOW_S = 0.02
+
+
+class StreamSink(Protocol):
+    """Where one request's tiles go (the decode model's Triton sender, or a test's stand-in)."""
+
+    def cancelled(self) -> bool:
+        """Whether the client has gone; asked before a window is decoded."""
+
+    def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
+        """One decoded tile on the host, in order; `last` marks the request's final tile."""
+
+    def fail(self, error: Exception) -> None:
+        """The request failed (its check, or its decode); no tile follows."""
+
+    def stop(self) -> None:
+        """The request was cancelled; no tile follows."""
+
+
+class WindowDecoder(Protocol):
+    """What the scheduler needs of the decode (`AuKVAEDecodeGraph` provides it)."""
+
+    def plan(self, frames: int) -> list[tuple[int, int, int, int]]: ...
+
+    def batch_key(self, frames: int, device: torch.device) -> int: ...
+
+    def batch_capacity(self, key: int) -> int: ...
+
+    def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the scheduler: its latents [1, frames, C], windows and progress."""
+
+    latents: torch.Tensor
+    sink: StreamSink
+    windows: list[tuple[int, int, int, int]] = field(default_factory=list)
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the device, before the copy
+    check: Callable[[], None] | None = None  # host check, run while the first window decodes
+    arrived: float = 0.0
+    next_window: int = 0
+    first_sent: float | None = None  # when its first tile was handed over
+    sent_seconds: float = 0.0  # audio handed over so far
+    finished: bool = False
+
+    def urgency(self) -> tuple[int, float]:
+        """Smaller is more urgent: first windows by arrival, then the rest by deadline."""
+        if self.next_window == 0 or self.first_sent is None:
+            return (0, self.arrived)
+        return (1, self.first_sent + self.sent_seconds)
+
+
+def pick_batch(jobs: Sequence[Job], key_of: Callable[[Job], int], capacity: Callable[[int], int]) -> list[Job]:
+    """The jobs whose next windows decode together next: the most urgent one, then the most
+    urgent of the others with the same batch key, up to that key's capacity."""
+    ready = sorted((job for job in jobs if job.next_window < len(job.windows)), key=Job.urgency)
+    if not ready:
+        return []
+    key = key_of(ready[0])
+    same = [job for job in ready if key_of(job) == key]
+    return same[: capacity(key)]
+
+
+@dataclass
+class _InFlight:
+    """One iteration's tiles, copied (or being copied) to the host."""
+
+    tiles: list[tuple[Job, int, torch.Tensor, bool]]  # job, start sample, host samples, last
+    done: torch.cuda.Event | None
+    rows: int
+    mode: str | None  # the decode tier that served the replay
+    decode_seconds: float  # launching the decode and, later, waiting for its samples
+
+
+@dataclass
+class Iteration:
+    """What one iteration did, for the metrics (`TileScheduler.on_iteration`)."""
+
+    rows: int  # windows in the replay
+    mode: str | None
+    decode_seconds: float
+    send_seconds: float
+    tile_seconds: list[float]  # audio seconds of each tile handed over
+    first_audio: list[float]  # arrival to first tile, of the requests whose first tile it was
+    underruns: int
+    active: int  # requests in the scheduler after it
+
+
+class TileScheduler:
+    """Decodes the windows of every submitted job on one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        decoder: WindowDecoder,
+        device: torch.device,
+        sample_rate: int,
+        hop_size: int,
+        max_active: int,
+        on_iteration: Callable[[Iteration], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.decoder, self.device = decoder, torch.device(device)
+        self.sample_rate, self.hop_size = sample_rate, hop_size
+        self.max_active = max(1, int(max_active))
+        self.on_iteration = on_iteration
+        self.clock = clock
+        self.look_ahead = self.device.type == "cuda"  # decodes are asynchronous there
+        self.underruns = 0  # tiles handed over after their deadline
+        self._jobs: list[Job] = []  # admitted, not finished
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
+
+    # ---- the caller's side (Triton's execute thread) ----------------------------------------
+
+    def start(self, warmup: Callable[[], None] | None = None) -> None:
+        """Start the thread; `warmup` runs on it first (graphs are captured and replayed on
+        one thread), and what it raises is raised here."""
+        ready = threading.Event()
+
+        def main():
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # per thread: captures on another GPU fail
+                if warmup is not None:
+                    warmup()
+            except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                self._thread_error = err
+                ready.set()
+                return
+            ready.set()
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="auk-tile-scheduler", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._thread_error is not None:
+            raise self._thread_error
+
+    def submit(self, job: Job) -> None:
+        """Admit a job, waiting while `max_active` jobs are in the scheduler (so Triton queues
+        the requests behind it)."""
+        job.windows = job.windows or self.decoder.plan(job.latents.shape[1])
+        with self._cond:
+            while len(self._jobs) >= self.max_active and not self._closing:
+                self._cond.wait()
+            if self._closing:
+                raise RuntimeError("the model is shutting down")
+            job.arrived = job.arrived or self.clock()
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    @property
+    def active(self) -> int:
+        return len(self._jobs)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the jobs in the scheduler finish (up to `timeout`), then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the scheduler's thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        in_flight: _InFlight | None = None
+        while True:
+            with self._cond:
+                while not self._has_work() and in_flight is None:
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                batch = self._take_batch()
+            try:
+                launched = self._launch(batch) if batch else None
+                if launched is not None and not self.look_ahead:
+                    self._deliver(launched)
+                    launched = None
+                if in_flight is not None:
+                    self._deliver(in_flight)
+                in_flight = launched
+            except Exception as err:  # a fault of the scheduler's own: fail what it holds, keep serving
+                log.exception("tile scheduler iteration failed")
+                in_flight = None
+                for job in list(self._jobs):
+                    self._end(job, lambda job=job: job.sink.fail(err))
+
+    def _has_work(self) -> bool:
+        return any(job.next_window < len(job.windows) for job in self._jobs)
+
+    def _take_batch(self) -> list[Job]:
+        """The next batch (under the lock); each job's window index moves on as it is taken."""
+        batch = pick_batch(
+            self._jobs,
+            key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
+            capacity=self.decoder.batch_capacity,
+        )
+        for job in batch:
+            job.next_window += 1
+        return batch
+
+    def _launch(self, batch: list[Job]) -> _InFlight | None:
+        """Decode one window of each job, run first-window checks while the GPU works, and
+        start the host copies of the tiles."""
+        began = time.perf_counter()
+        now = self.clock()
+        live = []
+        for job in batch:
+            first = job.next_window == 1
+            if (not first or now - job.arrived > STALE_FIRST_WINDOW_S) and job.sink.cancelled():
+                self._end(job, job.sink.stop)
+            else:
+                live.append(job)
+        if not live:
+            return None
+        rows = []
+        for job in live:
+            start, size, _, _ = job.windows[job.next_window - 1]
+            rows.append(job.latents[:, start : start + size])
+        try:
+            waves = self.decoder.decode_rows(rows)
+        except Exception as err:  # a failed decode fails its batch, not the scheduler
+            log.error("decode of %d windows failed: %s: %s", len(live), type(err).__name__, err)
+            for job in live:
+                self._end(job, lambda job=job: job.sink.fail(err))
+            return None
+        checked = []
+        for job, wave in zip(live, waves):
+            if job.check is not None and job.next_window == 1:
+                try:
+                    job.check()
+                except Exception as err:
+                    self._end(job, lambda job=job, err=err: job.sink.fail(err))
+                    continue
+            checked.append((job, wave))
+        tiles = []
+        for job, wave in checked:
+            start, _, emit_start, emit_end = job.windows[job.next_window - 1]
+            samples = wave[(emit_start - start) * self.hop_size : (emit_end - start) * self.hop_size]
+            if job.convert is not None:
+                samples = job.convert(samples)
+            host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=samples.is_cuda)
+            host.copy_(samples, non_blocking=samples.is_cuda)
+            tiles.append((job, emit_start * self.hop_size, host, job.next_window == len(job.windows)))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        mode = getattr(self.decoder, "last_mode", None)
+        return _InFlight(tiles, done, len(live), mode, time.perf_counter() - began)
+
+    def _deliver(self, in_flight: _InFlight) -> None:
+        """Wait for an iteration's host copies and hand each tile to its sink."""
+        began = time.perf_counter()
+        if in_flight.done is not None:
+            in_flight.done.synchronize()
+        decode_seconds = in_flight.decode_seconds + time.perf_counter() - began
+        report = Iteration(in_flight.rows, in_flight.mode, decode_seconds, 0.0, [], [], 0, 0)
+        for job, start_sample, host, last in in_flight.tiles:
+            if job.finished:  # failed or cancelled since
+                continue
+            now = self.clock()
+            if job.first_sent is None:
+                job.first_sent = now
+                report.first_audio.append(now - job.arrived)
+            elif now > job.first_sent + job.sent_seconds:
+                report.underruns += 1
+            began = time.perf_counter()
+            try:
+                job.sink.tile(start_sample, host, last)
+            except Exception as err:  # the client is gone: that request only
+                log.warning("sending a tile failed: %s: %s", type(err).__name__, err)
+                self._end(job, lambda: None)
+                continue
+            finally:
+                report.send_seconds += time.perf_counter() - began
+            seconds = host.numel() / self.sample_rate
+            job.sent_seconds += seconds
+            report.tile_seconds.append(seconds)
+            if last:
+                self._end(job, lambda: None)
+        self.underruns += report.underruns
+        report.active = len(self._jobs)
+        if self.on_iteration is not None:
+            self.on_iteration(report)
+
+    def _end(self, job: Job, finish: Callable[[], None]) -> None:
+        """Take a job out of the scheduler once, then tell its sink how it ended."""
+        with self._cond:
+            if job.finished:
+                return
+            job.finished = True
+            self._jobs.remove(job)
+            self._cond.notify_all()
+        try:
+            finish()
+        except Exception as err:  # the client is gone
+            log.warning("ending a request failed: %s: %s", type(err).__name__, err)

@@ -1,0 +1,283 @@
+"""The tile scheduler's policy and bookkeeping, with a stand-in decode.
+
+The stand-in decodes a window into samples that name the request and the frames
+they came from, so every test can check that each tile went to its own request
+with its own samples. The served scheduler is tested against the real server in
+`test_streaming.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from auk_triton.serving.requests import RequestError
+from auk_triton.serving.scheduler import Job, TileScheduler, pick_batch
+
+HOP = 4
+WINDOW = 10  # frames per window of the stand-in plan
+
+
+class StandInDecoder:
+    """Windows of WINDOW frames; each output sample is the window's latent value of its frame."""
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
+        self.batches: list[list[float]] = []  # the request tags of each replay's rows
+        self.gate: threading.Event | None = None  # when set, each decode waits for it
+        self.permits: threading.Semaphore | None = None  # when set, each decode takes one
+        self.last_mode = "stand-in"
+
+    def plan(self, frames: int):
+        return [(start, min(WINDOW, frames - start), start, min(start + WINDOW, frames))
+                for start in range(0, frames, WINDOW)]
+
+    def batch_key(self, frames: int, device) -> int:
+        return WINDOW
+
+    def batch_capacity(self, key: int) -> int:
+        return self.capacity
+
+    def decode_rows(self, rows):
+        if self.gate is not None:
+            assert self.gate.wait(10), "the test never opened the gate"
+        if self.permits is not None:
+            assert self.permits.acquire(timeout=10), "the test never let this decode run"
+        self.batches.append([float(row[0, 0, 1]) for row in rows])
+        return [row[0, :, 0].repeat_interleave(HOP) for row in rows]
+
+
+class RecordingSink:
+    def __init__(self, log: list, tag: float, cancel_after: int | None = None):
+        self.log, self.tag, self.cancel_after = log, tag, cancel_after
+        self.tiles: list[tuple[int, torch.Tensor]] = []
+        self.ending: str | Exception | None = None
+        self.ended = threading.Event()
+
+    def cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.tiles) >= self.cancel_after
+
+    def tile(self, start_sample, samples, last):
+        self.tiles.append((start_sample, samples.clone()))
+        self.log.append(self.tag)
+        if last:
+            self._end("complete")
+
+    def fail(self, error):
+        self._end(error)
+
+    def stop(self):
+        self._end("cancelled")
+
+    def _end(self, how):
+        self.ending = how
+        self.ended.set()
+
+    def waveform(self) -> torch.Tensor:
+        return torch.cat([samples for _, samples in self.tiles])
+
+
+def clip(frames: int, tag: float) -> torch.Tensor:
+    """[1, frames, 2]: channel 0 the frame index (what the stand-in decodes), channel 1 the tag."""
+    latents = torch.zeros(1, frames, 2)
+    latents[0, :, 0] = torch.arange(frames, dtype=torch.float32)
+    latents[0, :, 1] = tag
+    return latents
+
+
+def expected_waveform(frames: int) -> torch.Tensor:
+    return torch.arange(frames, dtype=torch.float32).repeat_interleave(HOP)
+
+
+@pytest.fixture
+def scheduler_of():
+    made = []
+
+    def make(decoder, max_active=8, **kwargs):
+        scheduler = TileScheduler(decoder, torch.device("cpu"), sample_rate=1000, hop_size=HOP,
+                                  max_active=max_active, **kwargs)
+        scheduler.start()
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.close(timeout=5)
+
+
+def submit(scheduler, frames, tag, log, **sink_kwargs):
+    sink = RecordingSink(log, tag, **sink_kwargs)
+    scheduler.submit(Job(clip(frames, tag), sink))
+    return sink
+
+
+def test_every_request_gets_its_own_samples_in_order(scheduler_of):
+    decoder = StandInDecoder(capacity=4)
+    scheduler = scheduler_of(decoder)
+    log = []
+    sinks = {tag: submit(scheduler, frames, tag, log) for tag, frames in ((1.0, 35), (2.0, 10), (3.0, 52))}
+    for tag, frames in ((1.0, 35), (2.0, 10), (3.0, 52)):
+        assert sinks[tag].ended.wait(10) and sinks[tag].ending == "complete"
+        assert [start for start, _ in sinks[tag].tiles] == list(range(0, frames * HOP, WINDOW * HOP))
+        torch.testing.assert_close(sinks[tag].waveform(), expected_waveform(frames), rtol=0, atol=0)
+    assert scheduler.active == 0
+
+
+def test_a_new_request_s_first_window_goes_before_the_windows_of_a_stream_in_progress(scheduler_of):
+    now = [0.0]
+    decoder = StandInDecoder(capacity=1)
+    decoder.permits = threading.Semaphore(1)  # the long stream's first window only
+    scheduler = scheduler_of(decoder, clock=lambda: now[0])
+    log = []
+    long = submit(scheduler, 100, 1.0, log)  # ten windows
+    deadline = time.monotonic() + 10
+    while not long.tiles:  # its first tile is out; its second window waits for a permit
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    now[0] = 100.0  # long after the long stream's deadlines: only the first-window rule favours the new one
+    short = submit(scheduler, 10, 2.0, log)
+    for _ in range(20):
+        decoder.permits.release()
+    assert long.ended.wait(10) and short.ended.wait(10)
+    # The long stream's second window was already in flight; the new request's went next.
+    assert decoder.batches[:3] == [[1.0], [1.0], [2.0]], decoder.batches
+
+
+def test_windows_go_by_deadline_after_the_first(scheduler_of):
+    now = [0.0]
+    decoder = StandInDecoder(capacity=1)
+    scheduler = TileScheduler(decoder, torch.device("cpu"), 1000, HOP, max_active=8, clock=lambda: now[0])
+    early = Job(clip(30, 1.0), RecordingSink([], 1.0))
+    late = Job(clip(30, 2.0), RecordingSink([], 2.0))
+    for job, first_sent in ((early, 5.0), (late, 1.0)):
+        job.windows = decoder.plan(30)
+        job.next_window, job.first_sent, job.sent_seconds = 1, first_sent, 0.04
+    # late's audio runs out at 1.04 s, early's at 5.04 s: late is the more urgent.
+    assert pick_batch([early, late], lambda job: WINDOW, lambda key: 1) == [late]
+    fresh = Job(clip(30, 3.0), RecordingSink([], 3.0), arrived=9.0)
+    fresh.windows = decoder.plan(30)
+    assert pick_batch([early, late, fresh], lambda job: WINDOW, lambda key: 1) == [fresh], "first windows first"
+    assert pick_batch([early, late, fresh], lambda job: WINDOW, lambda key: 2) == [fresh, late]
+    del scheduler
+
+
+def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log = []
+    sinks = [submit(scheduler, 60, tag, log) for tag in (1.0, 2.0, 3.0)]
+    decoder.gate.set()
+    for sink in sinks:
+        assert sink.ended.wait(10)
+    # Round robin: no stream gets two windows ahead of another.
+    for prefix in range(1, len(log) + 1):
+        counts = [log[:prefix].count(tag) for tag in (1.0, 2.0, 3.0)]
+        assert max(counts) - min(counts) <= 1, log
+
+
+def test_windows_of_several_requests_share_one_replay_up_to_the_capacity(scheduler_of):
+    decoder = StandInDecoder(capacity=2)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log = []
+    sinks = [submit(scheduler, 20, tag, log) for tag in (1.0, 2.0, 3.0)]
+    decoder.gate.set()
+    for sink in sinks:
+        assert sink.ended.wait(10) and sink.ending == "complete"
+    assert max(len(batch) for batch in decoder.batches) == 2
+    assert sum(len(batch) for batch in decoder.batches) == 6  # two windows each, none decoded twice
+
+
+def test_a_request_cancelled_in_the_middle_of_a_batch_leaves_and_the_others_finish(scheduler_of):
+    decoder = StandInDecoder(capacity=3)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log = []
+    first = submit(scheduler, 50, 1.0, log)
+    gone = submit(scheduler, 50, 2.0, log, cancel_after=2)
+    third = submit(scheduler, 50, 3.0, log)
+    decoder.gate.set()
+    assert gone.ended.wait(10) and gone.ending == "cancelled"
+    assert len(gone.tiles) == 2
+    for sink in (first, third):
+        assert sink.ended.wait(10) and sink.ending == "complete"
+        torch.testing.assert_close(sink.waveform(), expected_waveform(50), rtol=0, atol=0)
+    assert all(2.0 not in batch for batch in decoder.batches[3:]), "the cancelled request kept decoding"
+
+
+def test_a_request_whose_check_fails_gets_its_error_and_its_batch_still_decodes(scheduler_of):
+    decoder = StandInDecoder(capacity=3)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log = []
+    good = submit(scheduler, 30, 1.0, log)
+    bad_sink = RecordingSink(log, 2.0)
+
+    def check():
+        raise RequestError("LATENTS holds 1 NaN")
+
+    scheduler.submit(Job(clip(30, 2.0), bad_sink, check=check))
+    other = submit(scheduler, 30, 3.0, log)
+    decoder.gate.set()
+    assert bad_sink.ended.wait(10)
+    assert isinstance(bad_sink.ending, RequestError) and bad_sink.tiles == []
+    for sink in (good, other):
+        assert sink.ended.wait(10) and sink.ending == "complete"
+        torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
+
+
+def test_a_failed_decode_fails_its_batch_only(scheduler_of):
+    class FailingOnce(StandInDecoder):
+        failed = False
+
+        def decode_rows(self, rows):
+            if not self.failed and any(float(row[0, 0, 1]) == 2.0 for row in rows):
+                self.failed = True
+                raise RuntimeError("out of memory")
+            return super().decode_rows(rows)
+
+    decoder = FailingOnce(capacity=1)
+    scheduler = scheduler_of(decoder)
+    log = []
+    first = submit(scheduler, 30, 1.0, log)
+    doomed = submit(scheduler, 30, 2.0, log)
+    assert doomed.ended.wait(10) and isinstance(doomed.ending, RuntimeError)
+    assert first.ended.wait(10) and first.ending == "complete"
+    late = submit(scheduler, 30, 3.0, log)
+    assert late.ended.wait(10) and late.ending == "complete", "the scheduler stopped serving"
+
+
+def test_past_the_active_limit_a_request_waits_until_a_place_frees(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder, max_active=2)
+    log = []
+    first = submit(scheduler, 20, 1.0, log)
+    submit(scheduler, 20, 2.0, log)
+    admitted = threading.Event()
+
+    def third():
+        submit(scheduler, 20, 3.0, log)
+        admitted.set()
+
+    threading.Thread(target=third, daemon=True).start()
+    assert not admitted.wait(0.3), "a third request was admitted past max_active=2"
+    assert scheduler.active == 2
+    decoder.gate.set()
+    assert first.ended.wait(10)
+    assert admitted.wait(10), "a place freed but the waiting request was never admitted"
+
+
+def test_close_lets_the_requests_in_the_scheduler_finish_and_refuses_new_ones(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    scheduler = scheduler_of(decoder)
+    log = []
+    sink = submit(scheduler, 40, 1.0, log)
+    scheduler.close(timeout=10)
+    assert sink.ended.is_set() and sink.ending == "complete"
+    with pytest.raises(RuntimeError, match="shutting down"):
+        submit(scheduler, 10, 2.0, log)
