@@ -135,3 +135,36 @@ def test_latents_on_another_device_than_the_vae_are_never_replayed(tmp_path):
     with pytest.raises(RuntimeError):  # eager, on mismatched devices: torch refuses
         graph(latents(20, 7))
     assert graph.last_mode == "eager" and graph.captures == 0
+
+
+@pytest.fixture(scope="module")
+def batched(vae):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128), batch_sizes=(1, 2, 4), batch_frames=512)
+    graph.warmup("cuda")
+    return graph
+
+
+def test_batched_rows_are_the_windows_decoded_alone_within_the_compiled_tolerance(batched, vae):
+    rows = [latents(frames, seed) for seed, frames in enumerate((128, 100, 77))]
+    assert batched.batch_key(100, torch.device("cuda")) == 128 and batched.batch_capacity(128) == 4
+    with torch.no_grad():
+        together = [wave.clone() for wave in batched.decode_rows(rows)]
+        assert batched.last_mode == "batched"
+        alone = [batched.decode_rows([row])[0].clone() for row in rows]  # the compiled bucket
+        eager = [vae.decode(row)[0] for row in rows]
+    right = vae.decode_context_frames()[1] * vae.hop_size
+    for row, batch_wave, alone_wave, eager_wave in zip(rows, together, alone, eager):
+        assert batch_wave.shape == alone_wave.shape == (row.shape[1] * vae.hop_size,)
+        # All but the last `right` frames, which the bucket's padding can reach.
+        settled = slice(0, batch_wave.numel() - right)
+        assert rel_l2(batch_wave[settled], alone_wave[settled]) < COMPILED_TOLERANCE
+        assert rel_l2(batch_wave[settled], eager_wave[settled]) < 1e-5, "a batched row is the eager decode"
+
+
+def test_rows_of_a_batch_do_not_change_each_other(batched):
+    base = [latents(128, 10), latents(128, 11)]
+    changed = [base[0], latents(128, 12)]
+    with torch.no_grad():
+        first = batched.decode_rows(base)[0].clone()
+        again = batched.decode_rows(changed)[0].clone()
+    torch.testing.assert_close(first, again, rtol=0, atol=0)

@@ -346,3 +346,24 @@ def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(trito
             for region in regions.values():
                 region.close()
                 region.unlink()
+
+
+def test_the_scheduler_reports_replays_first_audio_and_active_requests(triton, open_stream):
+    labels = {"model": STREAM_MODEL}
+    replays_before = triton.metric("auk_vae_windows_per_replay_count", **labels)
+    windows_before = triton.metric("auk_vae_windows_per_replay_sum", **labels)
+    first_before = triton.metric("auk_vae_first_audio_seconds_count", **labels)
+    stream = open_stream()
+    lengths = {"m-1": 150, "m-2": 40, "m-3": 20}
+    for request_id, frames in lengths.items():
+        stream.send(make_latents(frames, seed=70 + frames), request_id=request_id)
+    outcomes = stream.collect()
+    tiles = sum(len(outcome.tiles) for outcome in outcomes.values())
+    wait_for_metric(triton, "auk_vae_windows_per_replay_sum", windows_before + tiles, **labels)
+    time.sleep(0.2)  # nothing more arrives after the last report
+    assert triton.metric("auk_vae_windows_per_replay_sum", **labels) - windows_before == tiles
+    assert triton.metric("auk_vae_first_audio_seconds_count", **labels) - first_before == len(lengths)
+    replays = triton.metric("auk_vae_windows_per_replay_count", **labels) - replays_before
+    assert 1 <= replays <= tiles
+    assert triton.metric("auk_vae_active_requests", **labels) == 0, "every request has left the scheduler"
+    assert re.search(rf'^auk_vae_underruns_total{{model="{STREAM_MODEL}"', triton.metrics(), re.MULTILINE)
