@@ -12,8 +12,8 @@ with classifier-free guidance (batch 2 per step) and the default sway, and
   DiT's served time (a unary auk_dit request), and for auk_pipeline over a gRPC
   stream the time to first audio (first WAVEFORM tile) and the total (final flag).
 
-    python benchmarks/bench_pipeline.py --seconds 10 --tokens 64 --reps 5
-    python benchmarks/bench_pipeline.py --no-server          # the in-process DiT numbers only
+    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_pipeline.py --seconds 10 --tokens 64 --reps 5
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_pipeline.py --no-server   # the in-process DiT only
 
 The synthetic checkpoint (6.1 GB of fp32 DiT weights) is written once under
 --cache-dir and reused.
@@ -22,9 +22,9 @@ The synthetic checkpoint (6.1 GB of fp32 DiT weights) is written once under
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,10 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from auk_triton.flow_sampler import Request, load_sampler
-from auk_triton.synthetic import write_synthetic_checkpoint
-from auk_triton.synthetic_dit import write_synthetic_dit_checkpoint
-from bench_serving import start_server  # this folder is on sys.path when run as a script
+from auk_triton.diffusion import Request, load_sampler
+from common import heading, start_server, synthetic_checkpoint
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
@@ -43,8 +41,7 @@ RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
 
 def checkpoints(root: Path, preset: str) -> dict[str, Path]:
     """One base and one flash checkpoint directory; the flash one links the base one's weights."""
-    base = write_synthetic_checkpoint(root / f"{preset}-base", preset=preset, seed=0)
-    write_synthetic_dit_checkpoint(base, preset=preset, seed=0, variant="base")
+    base = synthetic_checkpoint(root / f"{preset}-base", preset, dit=True)
     flash = root / f"{preset}-flash"
     flash.mkdir(exist_ok=True)
     for name in ("vae.safetensors", "auk.safetensors"):
@@ -106,13 +103,14 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="checkpoints and compile caches (reused across runs)")
     parser.add_argument("--log", default="tritonserver-pipeline.log")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-pipeline-"))
     began = time.perf_counter()
     dirs = checkpoints(cache, args.preset)
-    print(f"# AuK pipeline, {args.preset} (synthetic), {args.seconds:g} s of audio, {args.tokens} prompt tokens, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()} "
-          f"(checkpoints ready in {time.perf_counter() - began:.0f} s)", flush=True)
+    print(heading(f"AuK pipeline, {args.preset} (synthetic), {args.seconds:g} s of audio, {args.tokens} prompt tokens")
+          + f" (checkpoints ready in {time.perf_counter() - began:.0f} s)", flush=True)
     embeds = np.random.default_rng(0).standard_normal((args.tokens, 2048)).astype(np.float32)
 
     rows = {}

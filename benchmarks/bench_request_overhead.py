@@ -17,7 +17,7 @@ One client on the server's host sends the same clip (one window: at most
   floor under any model code: Triton, the Python backend and the transport.
 
 `--perf-analyzer` then also runs perf_analyzer (the C++ client, through
-`client/run_perf_analyzer.py`) at concurrency 1 on the stream model and, with
+`run_perf_analyzer.py`) at concurrency 1 on the stream model and, with
 the floor ways, the floor model, both with system shared memory, once per
 timed round. `--no-trace` serves without Triton's trace (its cost is then off
 every request, and the split below is not made).
@@ -54,7 +54,6 @@ not real audio).
 
 import argparse
 import csv
-import datetime
 import json
 import os
 import queue
@@ -69,21 +68,23 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from auk_triton.synthetic import write_synthetic_checkpoint
-from bench_serving import (
+from common import (
+    FRAMES_PER_SECOND,
     MODEL,
     MODEL_METRICS_LAG_S,
     OFFLINE_MODEL,
+    SAMPLES_PER_FRAME,
     clip_latents,
-    in_process,
-    model_repository_with_buckets,
+    heading,
+    in_process_decode,
+    model_repository_copy,
     model_seconds,
+    perf_analyzer_script,
     start_server,
+    synthetic_checkpoint,
 )
 
-HOP = 480
 BUCKET = 512  # the one compiled window: a clip of up to 10.24 s is one tile
 FLOOR_MODEL = "auk_vae_floor"
 WAYS = ("stream gRPC", "stream shm", "offline gRPC", "offline shm", "offline HTTP",
@@ -98,7 +99,7 @@ class Client:
         import tritonclient.grpc as grpcclient
 
         self.grpc = grpcclient
-        self.samples = latents.shape[0] * HOP
+        self.samples = latents.shape[0] * SAMPLES_PER_FRAME
         self.latents = latents
         self.regions = {
             "in": shared_memory.SharedMemory(name=f"{tag}_in", create=True, size=latents.nbytes),
@@ -192,12 +193,13 @@ def perf_analyzer_p50(model: str, grpc_url: str, http_url: str, seconds: float, 
                       options: str) -> float:
     """perf_analyzer's p50 latency (the whole clip), ms: `model` streamed over gRPC, concurrency 1,
     latents and the float32 waveform (perf_analyzer asks for every output) in system shared memory."""
-    argv = [sys.executable, str(Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"),
+    argv = [sys.executable, str(perf_analyzer_script()),
             "--grpc-url", grpc_url, "--http-url", http_url, "--stream-model", model, "--models", "stream",
             "--seconds", f"{seconds:g}", "--concurrency", "1", "--measurement-mode", "count_windows",
             "--measurement-request-count", str(requests), "--max-trials", "10", "--first-audio-requests", "0",
             "--out-dir", str(out), *shlex.split(options),
-            "--", "--shared-memory", "system", "--output-shared-memory-size", str(4 * int(seconds * 50) * HOP)]
+            "--", "--shared-memory", "system",
+            "--output-shared-memory-size", str(4 * int(seconds * FRAMES_PER_SECOND) * SAMPLES_PER_FRAME)]
     subprocess.run(argv, check=True)
     with open(out / "summary.csv") as summary:
         return float(next(csv.DictReader(summary))["latency_p50_ms"])
@@ -233,7 +235,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="auk")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where both decodes run")
-    parser.add_argument("--seconds", type=float, default=10, help=f"clip length (one tile: at most {BUCKET / 50} s)")
+    parser.add_argument("--seconds", type=float, default=10,
+                        help=f"clip length (one tile: at most {BUCKET / FRAMES_PER_SECOND} s)")
     parser.add_argument("--reps", type=int, default=40, help="timed requests per way and round")
     parser.add_argument("--rounds", type=int, default=3, help="round 0 warms every way up and is left out")
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, metavar="WAY")
@@ -242,25 +245,23 @@ def main() -> None:
     parser.add_argument("--no-trace", action="store_true",
                         help="serve without Triton's trace (its cost off every request; no split into parts)")
     parser.add_argument("--perf-analyzer-options", default="",
-                        help="options for client/run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
+                        help="options for run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
     args = parser.parse_args()
-    if not 0 < args.seconds * 50 <= BUCKET:
+    if not 0 < args.seconds * FRAMES_PER_SECOND <= BUCKET:
         parser.error(f"--seconds must give 1 to {BUCKET} frames (one window)")
 
     work = Path(tempfile.mkdtemp(prefix="auk-overhead-"))
-    checkpoint = write_synthetic_checkpoint(work / "checkpoint", args.preset)
+    checkpoint = synthetic_checkpoint(work / "checkpoint", args.preset)
     cuda = args.device == "cuda"
-    where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    print(f"# One-tile requests through the server, {args.preset} (synthetic), {where}, {datetime.date.today()}",
-          flush=True)
-    local, references = in_process(checkpoint, [args.seconds], args.reps, BUCKET, args.device,
-                                   ["pcm16"], args.seconds, [BUCKET])
+    print(heading(f"One-tile requests through the server, {args.preset} (synthetic)", args.device), flush=True)
+    local, references = in_process_decode(checkpoint, [args.seconds], args.reps, BUCKET, args.device,
+                                          ["pcm16"], args.seconds, [BUCKET])
     decode_ms = local["pcm16"][args.seconds][1]
     reference = references["pcm16"]
     print(f"in process: {args.seconds:g} s clip, PCM16, {decode_ms:.2f} ms (median of {args.reps})", flush=True)
 
     trace = work / "trace.json"
-    repository = model_repository_with_buckets([BUCKET], work / "model_repository")
+    repository = model_repository_copy(work / "model_repository", [BUCKET])
     floor = any(way.startswith("floor") for way in args.ways)
     floor_waits = work / "floor_waits.json"
     if floor:

@@ -1,8 +1,9 @@
 """End-to-end decode latency through a real Triton server, against the same decode in-process.
 
 One run, one GPU: first the decode in this process (the wrapper the model uses,
-with the served defaults: the fused activation kernel, buckets 32/128/256/512, a
-first window of the smallest bucket; warmed up the same way), then a real
+with the served defaults: the fused activation kernel on channels-last signals,
+buckets 32/128/256/512, a first window of the smallest bucket; warmed up the
+same way), then a real
 `tritonserver` serving `model_repository/` on the same synthetic checkpoint,
 driven over gRPC streaming by `concurrency` clients, each on its own persistent
 stream. Time to first audio is the arrival of the first tile; total is the
@@ -18,13 +19,14 @@ which sends every tile) minus the in-process decode; the rest, the client's
 mean total minus Triton's request duration, is gRPC transfer and the Python
 client. Statistics a server does not report print as n/a.
 
-With `--perf-analyzer PATH`, `client/run_perf_analyzer.py` then runs a short
-pass of perf_analyzer against the same server (both decode models).
+With `--perf-analyzer PATH`, `run_perf_analyzer.py` then runs a short pass of
+perf_analyzer against the same server (both decode models).
 `--device cpu` runs the same pass on the CPU (eager decode, the CPU model
 config): slow, a check that the script works, not a measurement to quote.
 
-    python benchmarks/bench_serving.py --preset auk --seconds 2 10 60 --concurrency 1 4 16
-    python benchmarks/bench_serving.py --device cpu --preset small --seconds 2 --concurrency 1 --reps 2
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_serving.py --seconds 2 10 60 --concurrency 1 4 16
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_serving.py --device cpu --preset small --seconds 2 \
+        --concurrency 1 --reps 2
 
 Each cell runs once per sample format (`--formats`): float32 asks for all outputs
 (so WAVEFORM, as a client that names none), pcm16 names WAVEFORM_PCM16 and gets
@@ -40,12 +42,7 @@ in half the warm-up.
 """
 
 import argparse
-import datetime
-import os
 import queue
-import re
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,88 +52,30 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from auk_triton.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph
-from auk_triton.pcm16 import to_pcm16
-from auk_triton.server import server_command
-from auk_triton.synthetic import write_synthetic_checkpoint
-from auk_triton.vae import AuKVAE
-from bench_decode import compile_time_breakdown  # this folder is on sys.path when run as a script
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES
+from common import (
+    MODEL,
+    MODEL_METRICS_LAG_S,
+    OFFLINE_MODEL,
+    clip_latents,
+    heading,
+    in_process_decode,
+    model_repository_copy,
+    model_seconds,
+    perf_analyzer_script,
+    start_server,
+    synthetic_checkpoint,
+)
 
-FRAMES_PER_SECOND = 50
-MODEL = "auk_vae_decode"
-OFFLINE_MODEL = "auk_vae_decode_offline"
 # Triton's cumulative per-model statistics (inference_stats), each a count and nanoseconds.
 STAT_FIELDS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
-# The decode model reports its counters this long after a request ends, at most.
-MODEL_METRICS_LAG_S = 0.1
 # Sample formats: the output each client asks for (None: all outputs, the float32 WAVEFORM).
 OUTPUTS = {"float32": None, "pcm16": "WAVEFORM_PCM16"}
 
 
 def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
-
-
-def clip_latents(seconds: float) -> np.ndarray:
-    """The latents every request of a cell sends (seeded), [frames, 64]."""
-    return np.random.default_rng(0).standard_normal((int(seconds * FRAMES_PER_SECOND), 64)).astype(np.float32)
-
-
-def in_process(
-    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, formats, check_seconds: float,
-    buckets=DEFAULT_COMPILE_SHAPES,
-) -> tuple[dict, dict]:
-    """Per format, median (first tile ms, total ms) per clip length, tiles copied to host as the model
-    does (pcm16: converted to int16 on the device first, as for WAVEFORM_PCM16); and per format the
-    stitched waveform of `clip_latents(check_seconds)`, to compare the server's with."""
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    vae = AuKVAE.from_pretrained(checkpoint, device=device).use_fused_activation(cuda).use_channels_last(cuda)  # as served
-    graph = AuKVAEDecodeGraph(vae, compile_shapes=tuple(buckets), first_tile_frames=first_tile_frames or None)
-    graph.warmup(device, on_bucket=lambda frames, seconds, ok: print(
-        f"in-process bucket {frames} frames: {'built' if ok else 'FAILED'} in {seconds:.0f} s", flush=True))
-    if cuda:
-        print(f"in-process compile phases: {compile_time_breakdown()}", flush=True)
-    results, references = {}, {}
-    for fmt in formats:
-        convert = to_pcm16 if fmt == "pcm16" else None
-        results[fmt] = {}
-        for seconds in seconds_list:
-            latents = torch.randn(1, int(seconds * FRAMES_PER_SECOND), vae.latent_dim, device=device)
-            firsts, totals = [], []
-            for rep in range(reps + 2):
-                sync()
-                began = time.perf_counter()
-                first = None
-                # The model's own loop: tiles to (pinned) host memory, the next launched first on a GPU.
-                for _ in graph.host_tiles(latents, convert, look_ahead=cuda):
-                    if first is None:
-                        first = time.perf_counter() - began
-                total = time.perf_counter() - began
-                if rep >= 2:
-                    firsts.append(first * 1e3)
-                    totals.append(total * 1e3)
-            results[fmt][seconds] = (statistics.median(firsts), statistics.median(totals))
-        latents = torch.from_numpy(clip_latents(check_seconds))[None].to(device)
-        tiles = list(graph.host_tiles(latents, convert))
-        references[fmt] = torch.cat([tile.samples for tile in tiles]).numpy()
-    one_tile = torch.randn(1, graph.tile_frames, vae.latent_dim, device=device)
-    tile_times = []
-    for _ in range(20 if cuda else 4):
-        sync()
-        began = time.perf_counter()
-        graph(one_tile).cpu()
-        tile_times.append((time.perf_counter() - began) * 1e3)
-    one_tile_ms = statistics.median(tile_times[len(tile_times) // 4:])
-    for fmt in formats:
-        results[fmt]["one_tile_ms"] = one_tile_ms
-        results[fmt]["tile_frames"] = graph.tile_frames
-    del graph, vae
-    if cuda:
-        torch.cuda.empty_cache()
-    return results, references
 
 
 def check_served(url: str, seconds: float, references: dict) -> None:
@@ -154,59 +93,6 @@ def check_served(url: str, seconds: float, references: dict) -> None:
         rel = np.linalg.norm(diff) / max(np.linalg.norm(expected.astype(np.float64)), 1e-30)
         print(f"served vs in-process, {fmt}, {seconds:g} s clip, {len(tiles)} tiles: "
               f"rel. L2 {rel:.1e}, max abs {diff.max():.3g}{' (int16 steps)' if fmt == 'pcm16' else ''}", flush=True)
-
-
-def model_repository_with_buckets(buckets, dest: Path) -> Path:
-    """A copy of model_repository/ whose decode models compile `buckets` (every config file of theirs)."""
-    source = Path(__file__).resolve().parent.parent / "model_repository"
-    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    shapes = ",".join(str(b) for b in buckets)
-    for model in (MODEL, OFFLINE_MODEL):
-        for config in (dest / model).glob("**/*.pbtxt"):
-            text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"', rf'\1"{shapes}"',
-                                  config.read_text())
-            if count != 1:
-                raise RuntimeError(f"no compile_shapes parameter in {config}")
-            config.write_text(text)
-    return dest
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
-                 device: str = "gpu", model_repository: Path | None = None, extra_args=()):
-    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
-    (default: the project's) on the `device` config, with `extra_args` for tritonserver.
-
-    Returns the process and the gRPC, HTTP and metrics addresses."""
-    import tritonclient.grpc as grpcclient
-
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
-               AUK_MODELS=",".join(models))
-    argv, env = server_command(model_repository, ports=ports, env=env,
-                               extra_args=["--exit-timeout-secs=5", *extra_args])
-    log = open(log_path, "w")
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{ports['grpc']}"
-    began = time.perf_counter()
-    client = grpcclient.InferenceServerClient(url)
-    while time.perf_counter() - began < ready_timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
-        try:
-            if all(client.is_model_ready(model) for model in models):
-                print(f"server ready in {time.perf_counter() - began:.1f} s", flush=True)
-                return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
-        except Exception:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
 
 
 def client_loop(
@@ -282,28 +168,6 @@ def stats_after(url: str, since: dict, requests: int, timeout_s: float = 5.0) ->
         if "success" not in stats or counted >= requests or time.perf_counter() > deadline:
             return stats
         time.sleep(0.01)
-
-
-def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:
-    """(tiles sent, seconds decoding them, seconds in sends) so far, from `model`'s own counters on
-    Triton's metrics port (auk_vae_tiles_sent_total, auk_vae_decode_seconds_total summed over tiers,
-    auk_vae_send_seconds_total); None if absent. A tile's decode seconds are the time `host_tiles`
-    spends launching its window and waiting for its samples in host memory. The model
-    reports its counters a few milliseconds after each request ends."""
-    import urllib.request
-
-    try:
-        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
-    except OSError as err:
-        print(f"no metrics from {metrics_url}: {err}", flush=True)
-        return None
-    totals = {"auk_vae_tiles_sent_total": 0.0, "auk_vae_decode_seconds_total": 0.0,
-              "auk_vae_send_seconds_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in totals and f'model="{model}"' in line:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return tuple(totals.values())
 
 
 def server_means(before: dict, after: dict) -> dict:
@@ -413,15 +277,13 @@ def main() -> None:
     args = parser.parse_args()
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-serving-"))
-    checkpoint = write_synthetic_checkpoint(cache / "bench_checkpoint", args.preset)
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"# AuK serving, {args.preset} (synthetic), {where}, torch {torch.__version__}, "
-          f"{datetime.date.today()}", flush=True)
+    checkpoint = synthetic_checkpoint(cache / "bench_checkpoint", args.preset)
+    print(heading(f"AuK serving, {args.preset} (synthetic)", args.device), flush=True)
 
     check_seconds = max(args.seconds)
     first_tile_frames = min(args.buckets) if args.first_tile_frames is None else args.first_tile_frames
-    local, references = in_process(checkpoint, args.seconds, args.reps, first_tile_frames, args.device,
-                                   args.formats, check_seconds, args.buckets)
+    local, references = in_process_decode(checkpoint, args.seconds, args.reps, first_tile_frames, args.device,
+                                          args.formats, check_seconds, args.buckets)
     for fmt in args.formats:
         print(f"in-process, {fmt}: one {local[fmt]['tile_frames']}-frame tile {local[fmt]['one_tile_ms']:.2f} ms",
               flush=True)
@@ -432,7 +294,7 @@ def main() -> None:
     models = (MODEL, OFFLINE_MODEL) if args.perf_analyzer else (MODEL,)
     repository = None
     if tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
-        repository = model_repository_with_buckets(args.buckets, cache / "model_repository")
+        repository = model_repository_copy(cache / "model_repository", args.buckets)
     process, url, http_url, metrics_url = start_server(
         checkpoint, cache, Path(args.log), models, device="gpu" if args.device == "cuda" else "cpu",
         model_repository=repository)
@@ -453,9 +315,8 @@ def main() -> None:
         for fmt in args.formats:
             print_breakdown(rows, local, args.seconds, fmt)
         if args.perf_analyzer:
-            script = Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"
             subprocess.run(
-                [sys.executable, str(script), "--perf-analyzer", args.perf_analyzer, "--grpc-url", url,
+                [sys.executable, str(perf_analyzer_script()), "--perf-analyzer", args.perf_analyzer, "--grpc-url", url,
                  "--http-url", http_url, "--seconds", "10", "--concurrency", "1,4",
                  "--measurement-mode", "count_windows", "--measurement-request-count", "20",
                  "--max-trials", "4", "--first-audio-requests", "8", "--out-dir", str(cache / "perf")],

@@ -11,20 +11,13 @@ that reference is no larger than eager's.
 """
 
 import argparse
-import datetime
-import tempfile
+import sys
 
 import torch
 
-from auk_triton import fused_activation as fa
-from auk_triton.decode_graph import AuKVAEDecodeGraph
-from auk_triton.synthetic import write_synthetic_checkpoint
-from auk_triton.vae import AuKVAE
-
-
-def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm()).item()
+from auk_triton.codec import ActivationKernel, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec.activation import SINE_METHODS
+from common import heading, latents, rel_l2, synthetic_checkpoint
 
 
 def main() -> None:
@@ -33,35 +26,35 @@ def main() -> None:
     parser.add_argument("--preset", default="auk")
     parser.add_argument("--seeds", type=int, default=2)
     args = parser.parse_args()
-    print(f"# Decode accuracy, {args.preset} preset, {args.frames} frames, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, {datetime.date.today()}\n", flush=True)
-    directory = write_synthetic_checkpoint(tempfile.mkdtemp(prefix="auk-accuracy-"), args.preset)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    print(heading(f"Decode accuracy, {args.preset} preset, {args.frames} frames") + "\n", flush=True)
+    directory = synthetic_checkpoint(preset=args.preset)
+    fused = ActivationKernel()
     channels_first = AuKVAE.from_pretrained(directory, device="cuda")
-    channels_last = AuKVAE.from_pretrained(directory, device="cuda").use_fused_activation(True)
-    channels_last.use_channels_last(True)
+    channels_last = AuKVAE.from_pretrained(directory, device="cuda", activation_kernel=fused, channels_last=True)
     print("| seed | path | rel. L2 vs fp32 (TF32 off) | rel. L2 vs eager (TF32) |")
     print("| --- | --- | --- | --- |")
     for seed in range(args.seeds):
-        clip = torch.randn(1, args.frames, channels_first.latent_dim,
-                           generator=torch.Generator().manual_seed(seed)).cuda()
+        clip = latents(args.frames, "cuda", seed=seed)
         with torch.no_grad():
+            channels_first.configure_decoder()
             saved = torch.backends.cudnn.allow_tf32
             torch.backends.cudnn.allow_tf32 = False
-            channels_first.use_fused_activation(False)
             exact = channels_first.decode(clip)
             torch.backends.cudnn.allow_tf32 = saved
             eager = channels_first.decode(clip)
             outputs = {"eager (TF32)": eager}
-            channels_first.use_fused_activation(True)
+            channels_first.configure_decoder(activation_kernel=fused)
             outputs["eager + fused activation"] = channels_first.decode(clip)
             outputs["plain graph + fused activation"] = AuKVAEDecodeGraph(channels_first, compile_shapes=())(clip)
             outputs["eager + fused activation, channels-last"] = channels_last.decode(clip)
             outputs["plain graph + fused activation, channels-last"] = AuKVAEDecodeGraph(
                 channels_last, compile_shapes=())(clip)
-            for sine in fa.SINE_METHODS:
-                saved_sine, fa.SINE = fa.SINE, sine
+            for sine in SINE_METHODS:
+                channels_last.configure_decoder(activation_kernel=ActivationKernel(sine=sine), channels_last=True)
                 outputs[f"eager + fused activation ({sine} sine), channels-last"] = channels_last.decode(clip)
-                fa.SINE = saved_sine
+            channels_last.configure_decoder(activation_kernel=fused, channels_last=True)
         for name, out in outputs.items():
             print(f"| {seed} | {name} | {rel_l2(out, exact):.2e} | {rel_l2(out, eager):.2e} |", flush=True)
 

@@ -12,10 +12,12 @@ the stub process waits on the GPU in a device-to-host copy as the real model
 does. On a CPU it is a sleep. No validation, graphs or metrics: over the wait,
 what remains is Triton, the Python backend's hand-offs and the transport.
 
-Config parameters: `wait_ms`, `max_frames` (the longest clip), and `record_to`,
-a JSON file that `finalize` writes with [request id, seconds] for each
-request: its copy in, wait and copy out (the decode model's decode counter
-covers the last two).
+`bench_request_overhead.py` copies this file into its model repository as
+`auk_vae_floor/1/model.py`, so it imports only torch and the Python backend's
+utilities. Config parameters: `wait_ms`, `max_frames` (the longest clip), and
+`record_to`, a JSON file that `finalize` writes with [request id, seconds] for
+each request: its copy in, wait and copy out (the decode model's decode
+counter covers the last two).
 """
 
 import json

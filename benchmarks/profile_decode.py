@@ -1,10 +1,12 @@
 """Where a decode's GPU time goes, and how far it is from the hardware's floor.
 
-For each variant of the decode (see VARIANTS) this prints the time of one plain
-CUDA-graph replay (eager kernels, no launch overhead, no compilation) and the
-GPU time of a profiled eager decode split by layer kind and stage. With
-`--compiled`, the compiled bucket (Inductor) of the chosen variants is timed as
-a graph replay and profiled as Inductor's code run without the graph.
+For each variant of the decode (VARIANTS, by number) this prints the time of
+one plain CUDA-graph replay (eager kernels, no launch overhead, no
+compilation) and the GPU time of a profiled eager decode split by layer kind
+and stage. With `--compiled`, the compiled bucket (Inductor) of the chosen
+variants is timed as a graph replay and profiled as Inductor's code run
+without the graph. A variant is a choice of `AuKVAE.configure_decoder`'s
+options plus torch's cuDNN settings, so the numbers say what each option buys.
 
 The roofline: FLOPs of the dense convolutions (the essential arithmetic) and the
 fewest bytes a layer-by-layer decode must move (every layer reads its input and
@@ -12,102 +14,89 @@ weights and writes its output once; activations fused), turned into times at
 a TF32 matrix rate and a copy bandwidth measured in the same run. The floor
 sums, layer by layer, the larger of a layer's compute and memory time.
 
-    PYTHONPATH=. python3 benchmarks/profile_decode.py --frames 512 --compiled
+    PYTHONPATH=.:benchmarks python3 benchmarks/profile_decode.py --frames 512 --compiled
 """
 
 import argparse
 import collections
-import datetime
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from auk_triton import fused_activation as fa
-from auk_triton.decode_graph import AuKVAEDecodeGraph
-from auk_triton.synthetic import write_synthetic_checkpoint
-from auk_triton.vae import FOLD_BELOW, FOLD_TO, AMPBlock, AuKVAE, CausalConv1d, CausalConvTranspose1d
-
-from bench_decode import compile_time_breakdown, median_ms  # this folder is on sys.path when run as a script
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-# ---- the convolutions as they were before, for the same-run comparison ---------------------
+from auk_triton.codec import ActivationKernel, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec.vae import FOLD_BELOW, FOLD_TO, AMPBlock, CausalConvTranspose1d
+from common import (
+    compile_time_breakdown,
+    copy_bandwidth,
+    heading,
+    latents,
+    median_ms,
+    rel_l2,
+    say,
+    synthetic_checkpoint,
+)
 
 
-def _padded_causal_conv(self, x, bias=True):
-    """The former CausalConv1d: a zero-padded copy of the input, then the convolution."""
-    left = self.dilation[0] * (self.kernel_size[0] - 1)
-    return F.conv1d(F.pad(x, (left, 0)), self.weight, self.bias if bias else None, 1, 0, self.dilation[0])
-
-
-def _bias_in_conv_block(self, x):
-    """The former AMPBlock: each convolution adds its own bias."""
-    for n, (c1, c2) in enumerate(zip(self.convs1, self.convs2)):
-        x = x + c2(self.activations[2 * n + 1](c1(self.activations[2 * n](x))))
-    return x
-
-
+@dataclass
 class Variant:
-    """A decode configuration: fused kernel on/off, padded-copy convs, cudnn.benchmark (and its
-    algorithm limit), layout, how the fused kernel evaluates sin^2 (fused_activation.SINE_METHODS;
-    None: the default), and whether channels-last upsamplers run in their polyphase form."""
+    """A decode configuration: the fused activation kernel (with `sine`, None: its default) or
+    the eager ops, the signal layout and its time folding (fold_below, fold_to; fold_to 0: none),
+    whether channels-last upsamplers run in their polyphase form, and cudnn.benchmark (with its
+    algorithm limit)."""
 
-    def __init__(self, name, fused, padded_convs=False, cudnn_benchmark=False, channels_last=False, sine=None,
-                 polyphase=True, cudnn_benchmark_limit=None, fold=(FOLD_BELOW, FOLD_TO)):
-        self.name, self.fused, self.padded_convs, self.cudnn_benchmark = name, fused, padded_convs, cudnn_benchmark
-        self.channels_last, self.sine = channels_last, sine
-        self.polyphase, self.cudnn_benchmark_limit = polyphase, cudnn_benchmark_limit
-        self.fold = fold  # (narrower than, to): see AuKVAE.use_channels_last
+    name: str
+    fused: bool
+    channels_last: bool = False
+    sine: str | None = None
+    fold: tuple[int, int] = (FOLD_BELOW, FOLD_TO)
+    polyphase: bool = True
+    cudnn_benchmark: bool = False
+    cudnn_benchmark_limit: int | None = None
 
     def apply(self, vae: AuKVAE) -> None:
-        vae.use_fused_activation(self.fused)
-        vae.use_channels_last(self.channels_last, *self.fold)
+        kernel = None
+        if self.fused:
+            kernel = ActivationKernel() if self.sine is None else ActivationKernel(sine=self.sine)
+        vae.configure_decoder(activation_kernel=kernel, channels_last=self.channels_last,
+                              fold_below=self.fold[0], fold_to=self.fold[1])
         if not self.polyphase:
             for up in vae.ups:
                 up[0].drop_polyphase()
 
     def __enter__(self):
         cudnn = torch.backends.cudnn
-        self.saved = (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE)
-        if self.padded_convs:
-            CausalConv1d.forward, AMPBlock.forward = _padded_causal_conv, _bias_in_conv_block
+        self.saved = (cudnn.benchmark, cudnn.benchmark_limit)
         cudnn.benchmark = self.cudnn_benchmark
         if self.cudnn_benchmark_limit is not None:
             cudnn.benchmark_limit = self.cudnn_benchmark_limit
-        fa.SINE = self.sine or fa.SINE
         return self
 
     def __exit__(self, *exc):
-        cudnn = torch.backends.cudnn
-        (CausalConv1d.forward, AMPBlock.forward, cudnn.benchmark, cudnn.benchmark_limit, fa.SINE) = self.saved
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = self.saved
 
 
-DEFAULT_CHANNELS_LAST = (f"fused activation ({fa.SINE} sine), channels-last, polyphase upsamplers, "
-                         f"convolutions under {FOLD_BELOW} channels time-folded to {FOLD_TO}: the default")
-VARIANTS = [
-    Variant("eager activations, padded-copy convs (before)", fused=False, padded_convs=True),
-    Variant("eager activations", fused=False),
-    Variant("fused activation, padded-copy convs", fused=True, padded_convs=True),
-    Variant("fused activation", fused=True),
-    Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
-    Variant(DEFAULT_CHANNELS_LAST, fused=True, channels_last=True),
-    Variant("the same, libdevice sinf", fused=True, channels_last=True, sine="libdevice"),
-    Variant("the same, sin.approx", fused=True, channels_last=True, sine="approx"),
-    Variant("the same + cudnn.benchmark", fused=True, channels_last=True, cudnn_benchmark=True),
-    Variant("the same, transposed-convolution upsamplers", fused=True, channels_last=True, polyphase=False),
-    Variant("the same + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True,
-            channels_last=True, cudnn_benchmark=True, cudnn_benchmark_limit=0),
-    Variant("the same, no time folding", fused=True, channels_last=True, fold=(0, 0)),
-    Variant("the same, folded to 96 channels", fused=True, channels_last=True, fold=(96, 96)),
-    Variant("the same, under 192 channels folded to 192 (stage 3 too)", fused=True, channels_last=True,
-            fold=(192, 192)),
-]
+DEFAULT = (f"fused activation ({ActivationKernel().sine} sine), channels-last, polyphase upsamplers, "
+           f"convolutions under {FOLD_BELOW} channels time-folded to {FOLD_TO}: the default")
+# A variant keeps its number for good, so the commands in RESULTS.md and studies/ keep
+# naming the same decode; the numbers of dropped variants (0, 2) are not reused.
+VARIANTS = {
+    1: Variant("eager activations", fused=False),
+    3: Variant("fused activation", fused=True),
+    4: Variant("fused activation + cudnn.benchmark", fused=True, cudnn_benchmark=True),
+    5: Variant(DEFAULT, fused=True, channels_last=True),
+    6: Variant("the same, libdevice sinf", fused=True, channels_last=True, sine="libdevice"),
+    7: Variant("the same, sin.approx", fused=True, channels_last=True, sine="approx"),
+    8: Variant("the same + cudnn.benchmark", fused=True, channels_last=True, cudnn_benchmark=True),
+    9: Variant("the same, transposed-convolution upsamplers", fused=True, channels_last=True, polyphase=False),
+    10: Variant("the same + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True,
+                channels_last=True, cudnn_benchmark=True, cudnn_benchmark_limit=0),
+    11: Variant("the same, no time folding", fused=True, channels_last=True, fold=(0, 0)),
+    12: Variant("the same, folded to 96 channels", fused=True, channels_last=True, fold=(96, 96)),
+    13: Variant("the same, under 192 channels folded to 192 (stage 3 too)", fused=True, channels_last=True,
+                fold=(192, 192)),
+}
 
 
 # ---- profiling by layer --------------------------------------------------------------------
@@ -246,13 +235,6 @@ def matrix_rate() -> float:
     return 2 * 8192**3 / (ms / 1e3)
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * 4 / (ms / 1e3)
-
-
 def roofline(vae: AuKVAE, clip, measured: dict) -> None:
     costs = layer_costs(vae, clip)
     rate, bandwidth = matrix_rate(), copy_bandwidth()
@@ -269,50 +251,67 @@ def roofline(vae: AuKVAE, clip, measured: dict) -> None:
         say(f"- {name}: {ms:.2f} ms, {ms / floor_ms:.1f}x the floor")
 
 
+def report_compiled_kernels(by_kernel, count, top: int = 12) -> None:
+    """Inductor's kernels grouped: the fused activation, its own pointwise and reduction kernels,
+    the convolution libraries' kernels, the rest."""
+    total = sum(by_kernel.values())
+    groups = collections.Counter()
+    for name, us in by_kernel.items():
+        group = ("fused activation" if "fused_activation" in name else
+                 "inductor pointwise/reduction" if name.startswith("triton_") else
+                 "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
+                 "other")
+        groups[group] += us
+    say(f"Inductor code without the graph: {total / 1e3:.2f} ms GPU in {count} kernels: " + ", ".join(
+        f"{g} {us / 1e3:.2f} ms" for g, us in groups.most_common()))
+    say("Top kernels: " + "; ".join(f"{n} {us / 1e3:.2f} ms" for n, us in by_kernel.most_common(top)))
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="variants:\n" + "\n".join(f"  {number:2d}  {v.name}" for number, v in VARIANTS.items()))
     parser.add_argument("--frames", type=int, default=512)
     parser.add_argument("--preset", default="auk")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compiled", action="store_true", help="also compile buckets (about a minute each)")
-    parser.add_argument("--compiled-variants", type=int, nargs="*", default=[0, 3],
-                        help="indices into VARIANTS to compile")
-    parser.add_argument("--plain-variants", type=int, nargs="*", default=list(range(len(VARIANTS))),
-                        help="indices into VARIANTS to run as plain graphs and profile")
+    parser.add_argument("--compiled-variants", type=int, nargs="*", default=[1, 5],
+                        help="variant numbers to compile")
+    parser.add_argument("--plain-variants", type=int, nargs="*", default=list(VARIANTS),
+                        help="variant numbers to run as plain graphs and profile (default: all)")
     args = parser.parse_args()
+    unknown = sorted(set(args.plain_variants + args.compiled_variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"no variant {unknown}; the variants are {list(VARIANTS)} (see --help)")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    say(f"# Decode profile, {args.preset} preset, {args.frames} frames, {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}, {datetime.date.today()}")
-    torch.manual_seed(0)
-    directory = write_synthetic_checkpoint(tempfile.mkdtemp(prefix="auk-profile-"), args.preset)
-    vae = AuKVAE.from_pretrained(directory, device="cuda")
-    clip = torch.randn(1, args.frames, vae.latent_dim, device="cuda")
+    say(heading(f"Decode profile, {args.preset} preset, {args.frames} frames"))
+    vae = AuKVAE.from_pretrained(synthetic_checkpoint(preset=args.preset), device="cuda")
+    clip = latents(args.frames, "cuda")
     with torch.no_grad():
-        reference = vae.decode(clip)
+        reference = vae.decode(clip)  # eager activations, channels-first: as loaded
     measured = {}
 
     say("\n## Plain CUDA graph (eager kernels) per variant\n")
-    for index in args.plain_variants:
-        variant = VARIANTS[index]
+    for number in args.plain_variants:
+        variant = VARIANTS[number]
         with variant:
             variant.apply(vae)
             graph = AuKVAEDecodeGraph(vae, compile_shapes=())
-            out = graph(clip)
-            err = ((out - reference).norm() / reference.norm()).item()
+            err = rel_l2(graph(clip), reference)
             ms = median_ms(lambda: graph(clip), args.iters)
             measured[f"plain graph, {variant.name}"] = ms
-            say(f"\n### [{index}] {variant.name}: {ms:.2f} ms per plain-graph decode (rel. L2 vs default eager {err:.1e})")
+            say(f"\n### [{number}] {variant.name}: {ms:.2f} ms per plain-graph decode (rel. L2 vs default eager {err:.1e})")
             report_profile(*profile_by_layer(vae, vae.decode, clip))
-            del graph
+            graph = None
 
     if args.compiled:
         say("\n## Compiled bucket (Inductor + CUDA graph) per variant\n")
-        for index in args.compiled_variants:
-            variant = VARIANTS[index]
+        for number in args.compiled_variants:
+            variant = VARIANTS[number]
             torch._dynamo.reset()
             with variant:
                 variant.apply(vae)
@@ -320,27 +319,17 @@ def main() -> None:
                 graph = AuKVAEDecodeGraph(vae, compile_shapes=(args.frames,))
                 graph.warmup("cuda")
                 build = time.perf_counter() - began
-                out = graph(clip)
-                err = ((out - reference).norm() / reference.norm()).item()
+                err = rel_l2(graph(clip), reference)
                 ms = median_ms(lambda: graph(clip), args.iters)
                 measured[f"compiled bucket, {variant.name}"] = ms
-                say(f"\n### [{index}] {variant.name}: {ms:.2f} ms per replay, built in {build:.0f} s "
+                say(f"\n### [{number}] {variant.name}: {ms:.2f} ms per replay, built in {build:.0f} s "
                     f"(rel. L2 vs eager {err:.1e})")
                 say(f"Compile phases so far (cumulative): {compile_time_breakdown()}")
+                # The bucket's compiled decode, run outside its graph so the profiler sees each kernel.
                 _, by_kernel, count = profile_by_layer(vae, graph._compiled_decode, clip)
-                total = sum(by_kernel.values())
-                groups = collections.Counter()
-                for name, us in by_kernel.items():
-                    group = ("fused activation" if "fused_activation" in name else
-                             "inductor pointwise/reduction" if name.startswith("triton_") else
-                             "convolution (cuDNN / CUTLASS)" if any(s in name.lower() for s in ("conv", "xmma", "gemm", "cudnn", "sm90", "sm80", "cutlass")) else
-                             "other")
-                    groups[group] += us
-                say(f"Inductor code without the graph: {total / 1e3:.2f} ms GPU in {count} kernels: " + ", ".join(
-                    f"{g} {us / 1e3:.2f} ms" for g, us in groups.most_common()))
-                say("Top kernels: " + "; ".join(f"{n} {us / 1e3:.2f} ms" for n, us in by_kernel.most_common(12)))
-                del graph
-    VARIANTS[0].apply(vae)
+                report_compiled_kernels(by_kernel, count)
+                graph = None
+    VARIANTS[1].apply(vae)
     roofline(vae, clip, measured)
 
 

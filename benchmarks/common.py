@@ -1,0 +1,280 @@
+"""What the benchmark scripts share; not run itself.
+
+The scripts import it as `common` (run as `python3 benchmarks/<script>.py`, this
+folder is the first entry of the module path): the seeded synthetic checkpoint,
+seeded clip latents, the decode as served, timing with CUDA events, and a real
+`tritonserver` on a copy of `model_repository/` with free loopback ports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES, ActivationKernel, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec.pcm16 import to_pcm16
+from auk_triton.codec.synthetic import write_synthetic_checkpoint
+from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+SEED = 0
+LATENT_DIM = 64
+FRAMES_PER_SECOND = 50
+SAMPLES_PER_FRAME = 480
+MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
+# The decode model reports its counters this long after a request ends, at most.
+MODEL_METRICS_LAG_S = 0.1
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def where(device: str = "cuda") -> str:
+    """The GPU's name, or the CPU and its core count."""
+    return torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def heading(title: str, device: str = "cuda", extra: str = "") -> str:
+    """A results heading: what, on which device, torch (and `extra`), today's date."""
+    return f"# {title}, {where(device)}, torch {torch.__version__}{extra}, {datetime.date.today()}"
+
+
+# ---- weights and inputs ----------------------------------------------------------------------
+
+
+def synthetic_checkpoint(directory: Path | str | None = None, preset: str = "auk", dit: bool = False) -> Path:
+    """The seeded synthetic checkpoint of `preset` in `directory` (a new temporary folder when
+    None), written once: the codec, and with `dit` the DiT's base weights beside it."""
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="auk-bench-")
+    path = write_synthetic_checkpoint(Path(directory), preset=preset, seed=SEED)
+    if dit:
+        write_synthetic_dit_checkpoint(path, preset=preset, seed=SEED, variant="base")
+    return path
+
+
+def served_decoder_options(device: str) -> dict:
+    """`AuKVAE.configure_decoder`'s options as the decode models use them by default: on a GPU
+    the fused activation kernel with its default launch and channels-last signals."""
+    if device != "cuda":
+        return {}
+    return {"activation_kernel": ActivationKernel(), "channels_last": True}
+
+
+def latents(frames: int, device: str = "cpu", seed: int = SEED) -> torch.Tensor:
+    """Seeded normalized latents of one clip, [1, frames, 64], the same on every device."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, frames, LATENT_DIM, generator=generator).to(device)
+
+
+def clip_latents(seconds: float, seed: int = SEED) -> np.ndarray:
+    """`latents` of a clip of `seconds` as a request sends them, [frames, 64]."""
+    return latents(int(seconds * FRAMES_PER_SECOND), seed=seed)[0].numpy()
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` by CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """A device-to-device copy of 1 GiB, bytes read + written per second."""
+    src = torch.empty(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def compile_time_breakdown(top: int = 16) -> str:
+    """The `top` longest phases of torch.compile in this process so far (Dynamo's cumulative
+    metrics: tracing, AOT, Inductor codegen, kernel compilation), to see where a build's time goes."""
+    from torch._dynamo.utils import compile_times
+
+    phases = []
+    for line in str(compile_times(repr="str", aggregate=True)).splitlines():
+        name, _, seconds = line.rpartition(",")
+        try:
+            phases.append((float(seconds), name.strip()))
+        except ValueError:  # the title and header lines
+            continue
+    phases.sort(reverse=True)
+    return "; ".join(f"{name} {seconds:.1f} s" for seconds, name in phases[:top])
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+# ---- the decode as served, in this process ---------------------------------------------------
+
+
+def in_process_decode(
+    checkpoint: Path, seconds_list, reps: int, first_tile_frames: int | None, device: str, formats,
+    check_seconds: float, buckets=DEFAULT_COMPILE_SHAPES,
+) -> tuple[dict, dict]:
+    """The served decode in this process: the graph wrapper the model uses with its decoder
+    options, `buckets` compiled, tiles copied to (pinned) host memory as the model does
+    (pcm16: converted to int16 on the device first, as for WAVEFORM_PCM16).
+
+    Returns, per format, median (first tile ms, total ms) per clip length plus "one_tile_ms"
+    and "tile_frames"; and per format the stitched samples of `clip_latents(check_seconds)`,
+    to compare the server's with."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vae = AuKVAE.from_pretrained(checkpoint, device=device, **served_decoder_options(device))
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=tuple(buckets), first_tile_frames=first_tile_frames or None)
+    graph.warmup(device, on_bucket=lambda frames, seconds, ok: say(
+        f"in-process bucket {frames} frames: {'built' if ok else 'FAILED'} in {seconds:.0f} s"))
+    if cuda:
+        say(f"in-process compile phases: {compile_time_breakdown()}")
+    results, references = {}, {}
+    for fmt in formats:
+        convert = to_pcm16 if fmt == "pcm16" else None
+        results[fmt] = {}
+        for seconds in seconds_list:
+            clip = latents(int(seconds * FRAMES_PER_SECOND), device)
+            firsts, totals = [], []
+            for rep in range(reps + 2):
+                sync()
+                began = time.perf_counter()
+                first = None
+                # The model's own loop: tiles to host memory, the next launched first on a GPU.
+                for _ in graph.host_tiles(clip, convert, look_ahead=cuda):
+                    if first is None:
+                        first = time.perf_counter() - began
+                total = time.perf_counter() - began
+                if rep >= 2:
+                    firsts.append(first * 1e3)
+                    totals.append(total * 1e3)
+            results[fmt][seconds] = (statistics.median(firsts), statistics.median(totals))
+        clip = torch.from_numpy(clip_latents(check_seconds))[None].to(device)
+        references[fmt] = torch.cat([tile.samples for tile in graph.host_tiles(clip, convert)]).numpy()
+    one_tile = latents(graph.tile_frames, device, seed=SEED + 1)
+    tile_times = []
+    for _ in range(20 if cuda else 4):
+        sync()
+        began = time.perf_counter()
+        graph(one_tile).cpu()
+        tile_times.append((time.perf_counter() - began) * 1e3)
+    one_tile_ms = statistics.median(tile_times[len(tile_times) // 4:])
+    for fmt in formats:
+        results[fmt]["one_tile_ms"] = one_tile_ms
+        results[fmt]["tile_frames"] = graph.tile_frames
+    del graph, vae
+    if cuda:
+        torch.cuda.empty_cache()
+    return results, references
+
+
+# ---- a real server ---------------------------------------------------------------------------
+
+
+def perf_analyzer_script() -> Path:
+    """run_perf_analyzer.py, which drives perf_analyzer: beside these scripts, else under client/."""
+    here = HERE / "run_perf_analyzer.py"
+    return here if here.exists() else REPO_ROOT / "client" / "run_perf_analyzer.py"
+
+
+def model_repository_copy(dest: Path, buckets=None) -> Path:
+    """A copy of model_repository/ in `dest`; with `buckets`, its decode models compile those
+    (the compile_shapes parameter of every config file of theirs)."""
+    shutil.copytree(REPO_ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    if buckets is not None:
+        shapes = ",".join(str(b) for b in buckets)
+        for model in (MODEL, OFFLINE_MODEL):
+            for config in (dest / model).glob("**/*.pbtxt"):
+                text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"',
+                                      rf'\1"{shapes}"', config.read_text())
+                if count != 1:
+                    raise RuntimeError(f"no compile_shapes parameter in {config}")
+                config.write_text(text)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
+                 device: str = "gpu", model_repository: Path | None = None, extra_args=()):
+    """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
+    (default: the project's) on the `device` config ("gpu" or "cpu"), with `extra_args` for tritonserver.
+
+    Returns the process and the gRPC, HTTP and metrics addresses."""
+    import tritonclient.grpc as grpcclient
+
+    from auk_triton.serving.launcher import server_command
+
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
+               AUK_MODELS=",".join(models))
+    argv, env = server_command(model_repository, ports=ports, env=env,
+                               extra_args=["--exit-timeout-secs=5", *extra_args])
+    log = open(log_path, "w")
+    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{ports['grpc']}"
+    began = time.perf_counter()
+    client = grpcclient.InferenceServerClient(url)
+    while time.perf_counter() - began < ready_timeout_s:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
+        try:
+            if all(client.is_model_ready(model) for model in models):
+                say(f"server ready in {time.perf_counter() - began:.1f} s")
+                return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
+        except Exception:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
+
+
+def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:
+    """(tiles sent, seconds decoding them, seconds in sends) so far, from `model`'s own counters on
+    Triton's metrics port (auk_vae_tiles_sent_total, auk_vae_decode_seconds_total summed over tiers,
+    auk_vae_send_seconds_total); None if absent. A tile's decode seconds are the time `host_tiles`
+    spends launching its window and waiting for its samples in host memory. The model
+    reports its counters a few milliseconds after each request ends (MODEL_METRICS_LAG_S)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+    except OSError as err:
+        say(f"no metrics from {metrics_url}: {err}")
+        return None
+    totals = {"auk_vae_tiles_sent_total": 0.0, "auk_vae_decode_seconds_total": 0.0,
+              "auk_vae_send_seconds_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals and f'model="{model}"' in line:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals.values())
