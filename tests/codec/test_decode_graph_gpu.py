@@ -158,7 +158,8 @@ def test_batched_rows_are_the_windows_decoded_alone_within_the_compiled_toleranc
         # All but the last `right` frames, which the bucket's padding can reach.
         settled = slice(0, batch_wave.numel() - right)
         assert rel_l2(batch_wave[settled], alone_wave[settled]) < COMPILED_TOLERANCE
-        assert rel_l2(batch_wave[settled], eager_wave[settled]) < 1e-5, "a batched row is the eager decode"
+        # The eager kernels, batched: TF32 convolutions of another batch size round differently.
+        assert rel_l2(batch_wave[settled], eager_wave[settled]) < COMPILED_TOLERANCE
 
 
 def test_rows_of_a_batch_do_not_change_each_other(batched):
