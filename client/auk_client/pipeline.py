@@ -31,12 +31,12 @@ from .stream import (
     AuKClientError,
     BadInput,
     Tile,
-    _describe_grpc_error,
-    _strip_scheme,
     check_latents,
+    describe_grpc_error,
     frames_for_seconds,
     read_npy,
     stream_infer,
+    strip_scheme,
 )
 from .wavio import FLOAT32, PCM16
 
@@ -148,12 +148,12 @@ def generate_latents(
     import tritonclient.grpc as grpcclient
 
     inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, **knobs)
-    url = _strip_scheme(url)
+    url = strip_scheme(url)
     client = grpcclient.InferenceServerClient(url)
     try:
         result = client.infer(model, inputs, client_timeout=timeout)
     except Exception as exc:
-        raise _describe_grpc_error(exc, url, model, timeout) from None
+        raise describe_grpc_error(exc, url, model, timeout) from None
     finally:
         client.close()
     return result.as_numpy("LATENTS")
