@@ -95,10 +95,10 @@ def library_decode(checkpoint_dir: Path, latents: np.ndarray, server) -> np.ndar
     return out
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
+def one_error_line(proc: subprocess.CompletedProcess, prog: str = "auk-client") -> str:
     lines = proc.stderr.decode().strip().splitlines()
     assert len(lines) == 1, f"expected one line on stderr, got: {lines}"
-    assert lines[0].startswith("auk-client: error: "), lines[0]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
     return lines[0]
 
 
@@ -209,6 +209,66 @@ def test_plot_saves_a_png_or_says_in_one_line_that_matplotlib_is_missing(triton_
     else:
         assert proc.returncode == 0, proc.stderr.decode()
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def test_the_decode_command_writes_the_same_wav_as_the_bare_form(clip, triton_server, tmp_path, streamed):
+    _, path, _, reference = clip
+    wav = tmp_path / "decode.wav"
+    proc = run_client("decode", path, "--url", triton_server.grpc_url, "-o", wav, "-q")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert wav.read_bytes() == streamed[1].read_bytes()
+    assert_pcm16_is_documented_conversion(read_pcm16_wav(wav), reference)
+
+
+def test_a_latents_file_without_an_extension_is_still_decoded_by_the_bare_form(triton_server, tmp_path):
+    latents = np.random.default_rng(5).standard_normal((25, 64)).astype(np.float32)
+    with open(tmp_path / "latents", "wb") as f:  # a file object: np.save adds no .npy
+        np.save(f, latents)
+    proc = run_client("latents", "--url", triton_server.grpc_url, "-o", "out.wav", "-q", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert read_pcm16_wav(tmp_path / "out.wav").size == 25 * HOP
+
+
+def test_the_overall_help_lists_both_commands_and_says_that_without_one_auk_client_decodes():
+    proc = run_client("--help")
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert out.startswith("usage: auk-client [-h] COMMAND ..."), out
+    assert re.search(r"^ +decode +", out, re.MULTILINE) and re.search(r"^ +pipeline +", out, re.MULTILINE), out
+    assert "Without a command, auk-client decodes" in out
+
+
+@pytest.mark.parametrize("command, options", [
+    ("decode", ("--raw", "--float32", "--http", "--seconds", "[latents]")),
+    ("pipeline", ("--prompt-embeds", "--random-tokens", "--steps", "--guidance")),
+])
+def test_each_command_prints_its_own_usage_and_options(command, options):
+    proc = run_client(command, "--help")
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert out.startswith(f"usage: auk-client {command} [-h]"), out
+    for option in options:
+        assert option in out, f"{option} missing from `auk-client {command} --help`"
+
+
+@pytest.mark.parametrize("word", ["decod", "pipe-line", "help"])
+def test_a_first_word_that_is_neither_a_command_nor_a_file_is_a_usage_error_naming_the_commands(tmp_path, word):
+    proc = run_client(word, "--url", f"127.0.0.1:{closed_port()}", "-o", "never.wav", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.decode().strip().splitlines()
+    assert lines[0].startswith("usage: auk-client [-h] COMMAND ..."), lines
+    assert lines[-1] == f"auk-client: error: '{word}' is neither a command (decode, pipeline) nor a latents file"
+    assert not (tmp_path / "never.wav").exists()
+
+
+@pytest.mark.parametrize("command, prog", [((), "auk-client"), (("decode",), "auk-client decode")])
+def test_a_missing_npy_file_is_reported_as_a_missing_latents_file_with_or_without_the_command(tmp_path, command, prog):
+    proc = run_client(*command, "nosuch.npy", "--url", f"127.0.0.1:{closed_port()}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert one_error_line(proc, prog) == f"{prog}: error: no such latents file: nosuch.npy"
 
 
 # ---- error paths -----------------------------------------------------------------------
@@ -389,10 +449,13 @@ def test_server_pcm16_samples_are_written_as_they_are_and_back_to_float_by_the_i
     np.testing.assert_array_equal(assemble([Tile(2, pcm, 0.0)]), [0, 0, *(pcm.astype(np.float32) / 32767)])
 
 
-def test_the_auk_client_console_script_is_installed_and_prints_usage():
+def test_the_auk_client_console_script_is_installed_and_runs_both_commands():
     script = Path(sys.executable).parent / "auk-client"
     if not script.exists():
         pytest.skip("the package is not installed in this environment (pip install -e .)")
-    proc = subprocess.run([str(script), "--help"], capture_output=True, timeout=60)
-    assert proc.returncode == 0
-    assert b"--raw" in proc.stdout and b"--float32" in proc.stdout
+    overall = subprocess.run([str(script), "--help"], capture_output=True, timeout=60)
+    assert overall.returncode == 0
+    assert b"decode" in overall.stdout and b"pipeline" in overall.stdout
+    decode = subprocess.run([str(script), "decode", "--help"], capture_output=True, timeout=60)
+    assert decode.returncode == 0
+    assert b"--raw" in decode.stdout and b"--float32" in decode.stdout
