@@ -17,8 +17,8 @@ One client on the server's host sends the same clip (one window: at most
   floor under any model code: Triton, the Python backend and the transport.
 
 `--perf-analyzer` then also runs perf_analyzer (the C++ client, through
-`client/run_perf_analyzer.py`) at concurrency 1 on the stream model and, with
-the floor ways, the floor model, both with system shared memory, once per
+`benchmarks/run_perf_analyzer.py`) at concurrency 1 on the stream model and,
+with the floor ways, the floor model, both with system shared memory, once per
 timed round. `--no-trace` serves without Triton's trace (its cost is then off
 every request, and the split below is not made).
 
@@ -192,7 +192,7 @@ def perf_analyzer_p50(model: str, grpc_url: str, http_url: str, seconds: float, 
                       options: str) -> float:
     """perf_analyzer's p50 latency (the whole clip), ms: `model` streamed over gRPC, concurrency 1,
     latents and the float32 waveform (perf_analyzer asks for every output) in system shared memory."""
-    argv = [sys.executable, str(Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"),
+    argv = [sys.executable, str(Path(__file__).with_name("run_perf_analyzer.py")),
             "--grpc-url", grpc_url, "--http-url", http_url, "--stream-model", model, "--models", "stream",
             "--seconds", f"{seconds:g}", "--concurrency", "1", "--measurement-mode", "count_windows",
             "--measurement-request-count", str(requests), "--max-trials", "10", "--first-audio-requests", "0",
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--no-trace", action="store_true",
                         help="serve without Triton's trace (its cost off every request; no split into parts)")
     parser.add_argument("--perf-analyzer-options", default="",
-                        help="options for client/run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
+                        help="options for benchmarks/run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
     args = parser.parse_args()
     if not 0 < args.seconds * 50 <= BUCKET:
         parser.error(f"--seconds must give 1 to {BUCKET} frames (one window)")

@@ -18,8 +18,8 @@ which sends every tile) minus the in-process decode; the rest, the client's
 mean total minus Triton's request duration, is gRPC transfer and the Python
 client. Statistics a server does not report print as n/a.
 
-With `--perf-analyzer PATH`, `client/run_perf_analyzer.py` then runs a short
-pass of perf_analyzer against the same server (both decode models).
+With `--perf-analyzer PATH`, `benchmarks/run_perf_analyzer.py` then runs a
+short pass of perf_analyzer against the same server (both decode models).
 `--device cpu` runs the same pass on the CPU (eager decode, the CPU model
 config): slow, a check that the script works, not a measurement to quote.
 
@@ -453,7 +453,7 @@ def main() -> None:
         for fmt in args.formats:
             print_breakdown(rows, local, args.seconds, fmt)
         if args.perf_analyzer:
-            script = Path(__file__).resolve().parent.parent / "client" / "run_perf_analyzer.py"
+            script = Path(__file__).with_name("run_perf_analyzer.py")
             subprocess.run(
                 [sys.executable, str(script), "--perf-analyzer", args.perf_analyzer, "--grpc-url", url,
                  "--http-url", http_url, "--seconds", "10", "--concurrency", "1,4",
