@@ -17,8 +17,8 @@ One client on the server's host sends the same clip (one window: at most
   floor under any model code: Triton, the Python backend and the transport.
 
 `--perf-analyzer` then also runs perf_analyzer (the C++ client, through
-`run_perf_analyzer.py`) at concurrency 1 on the stream model and, with
-the floor ways, the floor model, both with system shared memory, once per
+`benchmarks/run_perf_analyzer.py`) at concurrency 1 on the stream model and,
+with the floor ways, the floor model, both with system shared memory, once per
 timed round. `--no-trace` serves without Triton's trace (its cost is then off
 every request, and the split below is not made).
 
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--no-trace", action="store_true",
                         help="serve without Triton's trace (its cost off every request; no split into parts)")
     parser.add_argument("--perf-analyzer-options", default="",
-                        help="options for run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
+                        help="options for benchmarks/run_perf_analyzer.py, e.g. \"--wheel-dir wheels\"")
     args = parser.parse_args()
     if not 0 < args.seconds * FRAMES_PER_SECOND <= BUCKET:
         parser.error(f"--seconds must give 1 to {BUCKET} frames (one window)")

@@ -19,8 +19,8 @@ which sends every tile) minus the in-process decode; the rest, the client's
 mean total minus Triton's request duration, is gRPC transfer and the Python
 client. Statistics a server does not report print as n/a.
 
-With `--perf-analyzer PATH`, `run_perf_analyzer.py` then runs a short pass of
-perf_analyzer against the same server (both decode models).
+With `--perf-analyzer PATH`, `benchmarks/run_perf_analyzer.py` then runs a
+short pass of perf_analyzer against the same server (both decode models).
 `--device cpu` runs the same pass on the CPU (eager decode, the CPU model
 config): slow, a check that the script works, not a measurement to quote.
 

@@ -197,9 +197,8 @@ def in_process_decode(
 
 
 def perf_analyzer_script() -> Path:
-    """run_perf_analyzer.py, which drives perf_analyzer: beside these scripts, else under client/."""
-    here = HERE / "run_perf_analyzer.py"
-    return here if here.exists() else REPO_ROOT / "client" / "run_perf_analyzer.py"
+    """run_perf_analyzer.py, beside these scripts: it drives perf_analyzer."""
+    return HERE / "run_perf_analyzer.py"
 
 
 def model_repository_copy(dest: Path, buckets=None) -> Path:

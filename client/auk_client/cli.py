@@ -1,9 +1,11 @@
-"""auk-client: decode AuK latents on a Triton server and write the audio.
+"""auk-client: decode AuK latents, or generate audio through the pipeline, on a Triton server.
 
-    auk-client latents.npy -o out.wav                 # gRPC stream, PCM16 WAV
+    auk-client decode latents.npy -o out.wav          # gRPC stream, PCM16 WAV
+    auk-client latents.npy -o out.wav                 # the same: without a command, auk-client decodes
     auk-client --seconds 10 --seed 0 -o out.wav       # seeded random latents
     auk-client latents.npy --raw | aplay -f S16_LE -r 24000 -c 1
     auk-client latents.npy --http -o out.wav          # whole clip over HTTP
+    auk-client pipeline --random-tokens 32 --seconds 10 -o out.wav   # text condition -> DiT -> decoder
 
 Progress, the summary and errors go to stderr, so stdout carries only the
 raw PCM of `--raw`. Exit status: 0 on success, 2 for bad input (arguments,
@@ -15,27 +17,70 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator
 
 from . import stream as st
+from .pipeline import (
+    DEFAULT_PIPELINE_TIMEOUT_S,
+    PIPELINE_MODEL,
+    TEXT_DIM,
+    load_prompt_embeds,
+    random_prompt_embeds,
+    stream_pipeline,
+)
 from .stream import AuKClientError, BadInput
 from .wavio import FLOAT32, PCM16, RawPcm16Stream, WavWriter
 
 PROG = "auk-client"
+COMMANDS = ("decode", "pipeline")
+DECODE_DESCRIPTION = (
+    "Decode AuK latents (24 kHz mono) on Triton: streams tiles over gRPC from "
+    f"{st.STREAM_MODEL} by default, or the whole clip over HTTP from {st.OFFLINE_MODEL} "
+    "with --http, and writes a WAV as the tiles arrive."
+)
+PIPELINE_DESCRIPTION = "Generate audio with the AuK pipeline (DiT -> decoder) on Triton, streamed over gRPC."
+
+
+# -- parsers ----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`auk-client COMMAND ...`: decode (latents to audio) or pipeline (a text condition to audio)."""
     p = argparse.ArgumentParser(
         prog=PROG,
-        description=(
-            "Decode AuK latents (24 kHz mono) on Triton: streams tiles over gRPC from "
-            f"{st.STREAM_MODEL} by default, or the whole clip over HTTP from {st.OFFLINE_MODEL} "
-            "with --http, and writes a WAV as the tiles arrive."
+        description="Decode AuK latents, or generate audio through the AuK pipeline, on a Triton server.",
+        epilog=(
+            f"Without a command, {PROG} decodes: `{PROG} latents.npy -o out.wav` is "
+            f"`{PROG} decode latents.npy -o out.wav`. `{PROG} COMMAND --help` lists a command's options."
         ),
     )
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    decode = commands.add_parser(
+        "decode", description=DECODE_DESCRIPTION,
+        help="latents to audio through the decoder (the default command)",
+    )
+    add_decode_arguments(decode).set_defaults(run=run_decode, prog=decode.prog)
+    pipeline = commands.add_parser(
+        "pipeline", description=PIPELINE_DESCRIPTION,
+        help="a text condition to audio through the DiT and the decoder",
+    )
+    add_pipeline_arguments(pipeline).set_defaults(run=run_pipeline, prog=pipeline.prog)
+    return p
+
+
+def build_decode_parser() -> argparse.ArgumentParser:
+    """The bare form's parser: `auk-client ARGS` decodes, with the usage and error lines
+    it had before there were commands."""
+    p = add_decode_arguments(argparse.ArgumentParser(prog=PROG, description=DECODE_DESCRIPTION))
+    p.set_defaults(run=run_decode, prog=PROG)
+    return p
+
+
+def add_decode_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     src = p.add_argument_group("latents (one of)")
     src.add_argument("latents", nargs="?", help=".npy file of shape [frames, dim] or [1, frames, dim]")
     src.add_argument(
@@ -76,6 +121,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    src = p.add_argument_group("text condition (one of)")
+    src.add_argument("--prompt-embeds", metavar="NPY", help=f".npy of shape [tokens, {TEXT_DIM}] from AuK's encoder stage")
+    src.add_argument(
+        "--random-tokens", type=int, metavar="N",
+        help="instead, N seeded random prompt tokens: a stand-in for the encoder stage (no meaningful sound)",
+    )
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
+    gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
+    gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
+    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
+    gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
+    gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
+    srv.add_argument("--model", default=PIPELINE_MODEL, help=f"ensemble name (default {PIPELINE_MODEL})")
+    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
+    out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
+    out.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    return p
+
+
+# -- shared by the commands -------------------------------------------------------------------
+
+
 def _fail(message: str, prog: str = PROG) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
@@ -113,6 +186,9 @@ def written_wav(path: str, fmt: str) -> Iterator[WavWriter]:
                 pass
 
 
+# -- decode -----------------------------------------------------------------------------------
+
+
 def _progress(total_seconds: float, enabled: bool):
     if not enabled:
         return None
@@ -127,7 +203,7 @@ def _progress(total_seconds: float, enabled: bool):
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run_decode(args: argparse.Namespace) -> int:
     if (args.latents is None) == (args.seconds is None):
         raise BadInput("give either a latents .npy file or --seconds (not both)")
     if args.timeout <= 0:
@@ -240,13 +316,65 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- pipeline ---------------------------------------------------------------------------------
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    if (args.prompt_embeds is None) == (args.random_tokens is None):
+        raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
+    if args.seed < 0:
+        raise BadInput(f"--seed must be 0 or more, got {args.seed}")
+    st.frames_for_seconds(args.seconds)  # a bad duration is reported before the server is asked
+    if args.prompt_embeds is not None:
+        embeds, source = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
+    else:
+        embeds = random_prompt_embeds(args.random_tokens, args.seed)
+        source = f"{args.random_tokens} random tokens (seed {args.seed}), a stand-in for the encoder stage"
+    ref = st.load_latents(args.ref_latents) if args.ref_latents else None
+    started = time.perf_counter()
+    first, samples, tiles = None, 0, 0
+    with written_wav(args.output, FLOAT32 if args.float32 else PCM16) as writer:
+        for tile in stream_pipeline(
+            embeds, args.seconds, args.seed, num_steps=args.steps, guidance=args.guidance, sway=args.sway,
+            ref_latents=ref, url=args.url, model=args.model, timeout=args.timeout,
+        ):
+            writer.place(tile.start_sample, tile.waveform)
+            first = tile.arrived_s if first is None else first
+            samples, tiles = max(samples, tile.end_sample), tiles + 1
+        if not tiles:  # inside the block: the header-only WAV is removed
+            raise AuKClientError(f"{args.model} at {args.url} finished without sending any audio")
+    if not args.quiet:
+        total = time.perf_counter() - started
+        print(
+            f"prompt: {source}\n"
+            f"audio: {samples / st.SAMPLE_RATE:.2f} s in {tiles} tiles -> {args.output}\n"
+            f"time to first audio: {first:.3f} s, total {total:.3f} s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def _starts_with_a_command(argv: list[str]) -> bool:
+    """`COMMAND ...`, or the overall help; anything else is the bare form of decode."""
+    return bool(argv) and argv[0] in (*COMMANDS, "-h", "--help")
+
+
+def _reads_as_a_command_name(word: str) -> bool:
+    """A first word with no extension and no folder that names no file: a mistyped command
+    more likely than latents (those are .npy files), so it gets a usage error of its own."""
+    return re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", word) is not None and not os.path.exists(word)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["pipeline"]:  # `auk-client pipeline ...`: text-to-audio through auk_pipeline
-        from .pipeline import main as pipeline_main
-
-        return pipeline_main(argv[1:])
-    return run_reporting_errors(run, build_parser().parse_args(argv))
+    bare = not _starts_with_a_command(argv)
+    if bare and argv and _reads_as_a_command_name(argv[0]):
+        build_parser().error(f"{argv[0]!r} is neither a command ({', '.join(COMMANDS)}) nor a latents file")
+    args = (build_decode_parser() if bare else build_parser()).parse_args(argv)
+    return run_reporting_errors(args.run, args, prog=args.prog)
 
 
 if __name__ == "__main__":

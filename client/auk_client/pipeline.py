@@ -10,35 +10,29 @@ Prompt embeddings are the fused text condition of AuK's encoder stage,
 project: `random_prompt_embeds` gives seeded stand-ins, which exercise the
 serving path but do not describe any sound.
 
-    python -m auk_client.pipeline --prompt-embeds prompt.npy --seconds 10 -o out.wav
-    python -m auk_client.pipeline --random-tokens 32 --seconds 10 --seed 1 -o out.wav
+The command line is `auk-client pipeline` (auk_client.cli):
+
+    auk-client pipeline --prompt-embeds prompt.npy --seconds 10 -o out.wav
+    auk-client pipeline --random-tokens 32 --seconds 10 --seed 1 -o out.wav
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from typing import Iterator
 
 import numpy as np
 
-from .cli import run_reporting_errors, written_wav
 from .stream import (
     DEFAULT_GRPC_URL,
     DEFAULT_TIMEOUT_S,
-    SAMPLE_RATE,
-    AuKClientError,
     BadInput,
     Tile,
-    _describe_grpc_error,
-    _strip_scheme,
     check_latents,
-    frames_for_seconds,
+    describe_grpc_error,
     read_npy,
     stream_infer,
+    strip_scheme,
 )
-from .wavio import FLOAT32, PCM16
 
 PIPELINE_MODEL = "auk_pipeline"
 DIT_MODEL = "auk_dit"
@@ -148,89 +142,12 @@ def generate_latents(
     import tritonclient.grpc as grpcclient
 
     inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, **knobs)
-    url = _strip_scheme(url)
+    url = strip_scheme(url)
     client = grpcclient.InferenceServerClient(url)
     try:
         result = client.infer(model, inputs, client_timeout=timeout)
     except Exception as exc:
-        raise _describe_grpc_error(exc, url, model, timeout) from None
+        raise describe_grpc_error(exc, url, model, timeout) from None
     finally:
         client.close()
     return result.as_numpy("LATENTS")
-
-
-# -- command line ---------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    src = p.add_argument_group("text condition (one of)")
-    src.add_argument("--prompt-embeds", metavar="NPY", help=f".npy of shape [tokens, {TEXT_DIM}] from AuK's encoder stage")
-    src.add_argument(
-        "--random-tokens", type=int, metavar="N",
-        help="instead, N seeded random prompt tokens: a stand-in for the encoder stage (no meaningful sound)",
-    )
-    gen = p.add_argument_group("generation")
-    gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
-    gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
-    gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
-    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
-    gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
-    gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
-    srv = p.add_argument_group("server")
-    srv.add_argument("--url", default=DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {DEFAULT_GRPC_URL})")
-    srv.add_argument("--model", default=PIPELINE_MODEL, help=f"ensemble name (default {PIPELINE_MODEL})")
-    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
-    out = p.add_argument_group("output")
-    out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
-    out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
-    out.add_argument("-q", "--quiet", action="store_true", help="no summary")
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from .stream import load_latents
-
-    if (args.prompt_embeds is None) == (args.random_tokens is None):
-        raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
-    if args.seed < 0:
-        raise BadInput(f"--seed must be 0 or more, got {args.seed}")
-    frames_for_seconds(args.seconds)  # a bad duration is reported before the server is asked
-    if args.prompt_embeds is not None:
-        embeds, source = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
-    else:
-        embeds = random_prompt_embeds(args.random_tokens, args.seed)
-        source = f"{args.random_tokens} random tokens (seed {args.seed}), a stand-in for the encoder stage"
-    ref = load_latents(args.ref_latents) if args.ref_latents else None
-    started = time.perf_counter()
-    first, samples, tiles = None, 0, 0
-    with written_wav(args.output, FLOAT32 if args.float32 else PCM16) as writer:
-        for tile in stream_pipeline(
-            embeds, args.seconds, args.seed, num_steps=args.steps, guidance=args.guidance, sway=args.sway,
-            ref_latents=ref, url=args.url, model=args.model, timeout=args.timeout,
-        ):
-            writer.place(tile.start_sample, tile.waveform)
-            first = tile.arrived_s if first is None else first
-            samples, tiles = max(samples, tile.end_sample), tiles + 1
-        if not tiles:  # inside the block: the header-only WAV is removed
-            raise AuKClientError(f"{args.model} at {args.url} finished without sending any audio")
-    if not args.quiet:
-        total = time.perf_counter() - started
-        print(
-            f"prompt: {source}\n"
-            f"audio: {samples / SAMPLE_RATE:.2f} s in {tiles} tiles -> {args.output}\n"
-            f"time to first audio: {first:.3f} s, total {total:.3f} s",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="auk-client pipeline",
-        description="Generate audio with the AuK pipeline (DiT -> decoder) on Triton, streamed over gRPC.",
-    ))
-    return run_reporting_errors(run, parser.parse_args(argv), prog=parser.prog)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,8 @@
 """`--plot`: waveform and spectrogram of the decoded clip, tile boundaries marked.
 
-matplotlib is optional (`pip install 'auk-triton[plot]'`); `require_matplotlib()`
-is called before any audio is requested, so a missing install fails fast.
+matplotlib is optional (the client's `plot` extra: `pip install "./client[plot]"`);
+`require_matplotlib()` is called before any audio is requested, so a missing
+install fails fast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def require_matplotlib():
     except ImportError:
         raise AuKClientError(
             "--plot needs matplotlib, which is not installed; "
-            "install it with: pip install 'auk-triton[plot]' (or pip install matplotlib)"
+            "install it with: pip install matplotlib (or, from the repository, pip install './client[plot]')"
         ) from None
     return plt
 

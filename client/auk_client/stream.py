@@ -69,7 +69,8 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", str(text)).strip()
 
 
-def _strip_scheme(url: str) -> str:
+def strip_scheme(url: str) -> str:
+    """`host:port` from a URL that may start with a scheme: tritonclient wants none."""
     return re.sub(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", "", url).rstrip("/")
 
 
@@ -132,7 +133,8 @@ def random_latents(seconds: float, seed: int, latent_dim: int = DEFAULT_LATENT_D
 
 # -- errors ---------------------------------------------------------------
 
-def _describe_grpc_error(exc, url: str, model: str, timeout: float) -> AuKClientError:
+def describe_grpc_error(exc, url: str, model: str, timeout: float) -> AuKClientError:
+    """A failure of a gRPC request (tritonclient's or the transport's) as one AuKClientError line."""
     status = str(getattr(exc, "status", lambda: "")() or "")
     message = exc.message() if hasattr(exc, "message") else str(exc)
     message = _one_line(message or str(exc))
@@ -145,7 +147,8 @@ def _describe_grpc_error(exc, url: str, model: str, timeout: float) -> AuKClient
     return AuKClientError(f"server error from {model} at {url}: {message}")
 
 
-def _describe_http_error(exc, url: str, model: str, timeout: float) -> AuKClientError:
+def describe_http_error(exc, url: str, model: str, timeout: float) -> AuKClientError:
+    """A failure of an HTTP request (tritonclient's or the transport's) as one AuKClientError line."""
     name = type(exc).__name__
     raw = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
     message = _one_line(raw or name)
@@ -169,7 +172,7 @@ def model_latent_dim(
     Doubles as a liveness check: an unreachable server or a missing model
     raises `AuKClientError` here, before any audio is requested.
     """
-    url = _strip_scheme(url)
+    url = strip_scheme(url)
     try:
         if http:
             import tritonclient.http as httpclient
@@ -195,7 +198,7 @@ def model_latent_dim(
     except AuKClientError:
         raise
     except Exception as exc:  # tritonclient raises its own and transport exceptions
-        describe = _describe_http_error if http else _describe_grpc_error
+        describe = describe_http_error if http else describe_grpc_error
         raise describe(exc, url, model, timeout) from None
     shape = shapes.get(INPUT_NAME)
     if shape is None:
@@ -239,7 +242,7 @@ def stream_infer(
     """
     import tritonclient.grpc as grpcclient
 
-    url = _strip_scheme(url)
+    url = strip_scheme(url)
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     finished = False
@@ -266,14 +269,14 @@ def stream_infer(
                 _, error = responses.get(timeout=0.5)
             except queue.Empty:
                 error = None
-            raise _describe_grpc_error(error or exc, url, model, timeout) from None
+            raise describe_grpc_error(error or exc, url, model, timeout) from None
         while True:
             try:
                 result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()) + 0.5)
             except queue.Empty:
                 raise AuKClientError(f"timed out after {timeout:g} s waiting for {model} at {url}") from None
             if error is not None:
-                raise _describe_grpc_error(error, url, model, timeout)
+                raise describe_grpc_error(error, url, model, timeout)
             arrived = time.perf_counter() - sent
             response = result.get_response()
             # Marked before the last tile is yielded: a caller that stops there cancels nothing.
@@ -292,7 +295,7 @@ def stream_infer(
     except AuKClientError:
         raise
     except Exception as exc:
-        raise _describe_grpc_error(exc, url, model, timeout) from None
+        raise describe_grpc_error(exc, url, model, timeout) from None
     finally:
         try:
             client.stop_stream(cancel_requests=not finished)
@@ -318,7 +321,7 @@ def decode_offline(
     import tritonclient.http as httpclient
 
     latents = check_latents(latents)
-    url = _strip_scheme(url)
+    url = strip_scheme(url)
     try:
         client = httpclient.InferenceServerClient(
             url, connection_timeout=timeout, network_timeout=timeout
@@ -338,7 +341,7 @@ def decode_offline(
     except AuKClientError:
         raise
     except Exception as exc:
-        raise _describe_http_error(exc, url, model, timeout) from None
+        raise describe_http_error(exc, url, model, timeout) from None
     wave = result.as_numpy(waveform)
     if wave is None:
         raise AuKClientError(f"{model} at {url} returned no {waveform}")

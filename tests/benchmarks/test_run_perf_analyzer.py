@@ -1,4 +1,4 @@
-"""client/run_perf_analyzer.py: a short real perf_analyzer pass against the fixture's server (CPU, small preset)."""
+"""benchmarks/run_perf_analyzer.py: a short real perf_analyzer pass against the fixture's server (CPU, small preset)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "client" / "run_perf_analyzer.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "run_perf_analyzer.py"
 SECONDS = (0.5, 3.0)  # 3 s spans two tiles at the fixture's tile size
 CONCURRENCY = (1, 2)
 STREAM_MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"

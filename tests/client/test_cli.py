@@ -1,4 +1,5 @@
-"""auk-client run as a real subprocess against the real tritonserver of the test fixture.
+"""auk-client run as a real subprocess against the real tritonserver of the test fixture,
+and the client as a distribution of its own that never needs torch.
 
 Every audio check compares with the library: `AuKVAEDecodeGraph.decode_tiles`
 with the server's tile size on the checkpoint the server loaded, converted to
@@ -9,6 +10,8 @@ match exactly; float32 within 1e-6.
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import socket
@@ -95,10 +98,10 @@ def library_decode(checkpoint_dir: Path, latents: np.ndarray, server) -> np.ndar
     return out
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
+def one_error_line(proc: subprocess.CompletedProcess, prog: str = "auk-client") -> str:
     lines = proc.stderr.decode().strip().splitlines()
     assert len(lines) == 1, f"expected one line on stderr, got: {lines}"
-    assert lines[0].startswith("auk-client: error: "), lines[0]
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
     return lines[0]
 
 
@@ -204,11 +207,156 @@ def test_plot_saves_a_png_or_says_in_one_line_that_matplotlib_is_missing(triton_
         import matplotlib  # noqa: F401
     except ImportError:
         assert proc.returncode != 0
-        assert "matplotlib" in one_error_line(proc)
+        line = one_error_line(proc)
+        assert "pip install matplotlib" in line and "./client[plot]" in line, "names the client's own extra"
         assert not wav.exists(), "fails before decoding anything"
     else:
         assert proc.returncode == 0, proc.stderr.decode()
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def test_the_decode_command_writes_the_same_wav_as_the_bare_form(clip, triton_server, tmp_path, streamed):
+    _, path, _, reference = clip
+    wav = tmp_path / "decode.wav"
+    proc = run_client("decode", path, "--url", triton_server.grpc_url, "-o", wav, "-q")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert wav.read_bytes() == streamed[1].read_bytes()
+    assert_pcm16_is_documented_conversion(read_pcm16_wav(wav), reference)
+
+
+def test_a_latents_file_without_an_extension_is_still_decoded_by_the_bare_form(triton_server, tmp_path):
+    latents = np.random.default_rng(5).standard_normal((25, 64)).astype(np.float32)
+    with open(tmp_path / "latents", "wb") as f:  # a file object: np.save adds no .npy
+        np.save(f, latents)
+    proc = run_client("latents", "--url", triton_server.grpc_url, "-o", "out.wav", "-q", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert read_pcm16_wav(tmp_path / "out.wav").size == 25 * HOP
+
+
+def test_the_overall_help_lists_both_commands_and_says_that_without_one_auk_client_decodes():
+    proc = run_client("--help")
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert out.startswith("usage: auk-client [-h] COMMAND ..."), out
+    assert re.search(r"^ +decode +", out, re.MULTILINE) and re.search(r"^ +pipeline +", out, re.MULTILINE), out
+    assert "Without a command, auk-client decodes" in out
+
+
+@pytest.mark.parametrize("command, options", [
+    ("decode", ("--raw", "--float32", "--http", "--seconds", "[latents]")),
+    ("pipeline", ("--prompt-embeds", "--random-tokens", "--steps", "--guidance")),
+])
+def test_each_command_prints_its_own_usage_and_options(command, options):
+    proc = run_client(command, "--help")
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert out.startswith(f"usage: auk-client {command} [-h]"), out
+    for option in options:
+        assert option in out, f"{option} missing from `auk-client {command} --help`"
+
+
+@pytest.mark.parametrize("word", ["decod", "pipe-line", "help"])
+def test_a_first_word_that_is_neither_a_command_nor_a_file_is_a_usage_error_naming_the_commands(tmp_path, word):
+    proc = run_client(word, "--url", f"127.0.0.1:{closed_port()}", "-o", "never.wav", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.decode().strip().splitlines()
+    assert lines[0].startswith("usage: auk-client [-h] COMMAND ..."), lines
+    assert lines[-1] == f"auk-client: error: '{word}' is neither a command (decode, pipeline) nor a latents file"
+    assert not (tmp_path / "never.wav").exists()
+
+
+@pytest.mark.parametrize("command, prog", [((), "auk-client"), (("decode",), "auk-client decode")])
+def test_a_missing_npy_file_is_reported_as_a_missing_latents_file_with_or_without_the_command(tmp_path, command, prog):
+    proc = run_client(*command, "nosuch.npy", "--url", f"127.0.0.1:{closed_port()}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert one_error_line(proc, prog) == f"{prog}: error: no such latents file: nosuch.npy"
+
+
+# ---- a distribution of its own, without torch ------------------------------------------
+
+
+CLIENT_MODULES = ("auk_client", "auk_client.cli", "auk_client.pipeline", "auk_client.stream", "auk_client.wavio")
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    """The torch and auk_triton modules loaded once `code` has run in a fresh interpreter
+    with the client first on the path."""
+    report = 'import json, sys\nprint(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "auk_triton"))))'
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", f"{code}\n{report}"], capture_output=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout.decode().strip().splitlines()[-1])
+
+
+def test_importing_every_client_module_imports_neither_torch_nor_auk_triton():
+    imports = "\n".join(f"import {m}" for m in CLIENT_MODULES)
+    from_this_tree = (
+        "import os\n"
+        f"assert os.path.realpath(auk_client.__file__).startswith({os.path.realpath(CLIENT_DIR) + os.sep!r}), "
+        "auk_client.__file__"
+    )
+    assert heavy_modules_after(f"{imports}\n{from_this_tree}") == []
+
+
+@pytest.mark.parametrize("mode", ["grpc", "http"])
+def test_a_whole_decode_through_the_cli_imports_neither_torch_nor_auk_triton(triton_server, tmp_path, mode):
+    target = ["--url", triton_server.grpc_url] if mode == "grpc" else ["--http", "--http-url", triton_server.http_url]
+    argv = ["decode", "--seconds", "0.2", *target, "-o", str(tmp_path / "out.wav"), "-q"]
+    assert heavy_modules_after(f"from auk_client.cli import main\nassert main({argv!r}) == 0") == []
+    assert read_pcm16_wav(tmp_path / "out.wav").size == 10 * HOP
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads(path.read_text())
+
+
+def distribution_name(requirement: str) -> str:
+    """`tritonclient[grpc,http]==2.50.0` -> `tritonclient` (PEP 503 normalized)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group(0)).lower()
+
+
+def client_requirements() -> dict[str, set[str]]:
+    """The client distribution's requirements by extra ("" for the required ones)."""
+    project = read_toml(CLIENT_DIR / "pyproject.toml")["project"]
+    extras = {"": project["dependencies"], **project.get("optional-dependencies", {})}
+    return {extra: {distribution_name(r) for r in reqs} for extra, reqs in extras.items()}
+
+
+def test_the_client_distribution_is_auk_client_with_its_console_script_and_no_torch_in_any_extra():
+    metadata = read_toml(CLIENT_DIR / "pyproject.toml")["project"]
+    assert metadata["name"] == "auk-client"
+    assert metadata["scripts"] == {"auk-client": "auk_client.cli:main"}
+    for extra, names in client_requirements().items():
+        assert not names & {"torch", "auk-triton", "triton"}, f"extra {extra!r} pulls in {sorted(names)}"
+
+
+def test_every_third_party_module_the_client_imports_is_declared_by_its_distribution():
+    imported = set()
+    for source in (CLIENT_DIR / "auk_client").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"auk_client"}
+    declared = set().union(*client_requirements().values())
+    assert third_party, "the scan found the client's imports"
+    assert {distribution_name(m) for m in third_party} <= declared, sorted(third_party)
+
+
+def test_the_root_package_carries_neither_the_client_nor_its_script():
+    root = read_toml(REPO_ROOT / "pyproject.toml")
+    assert "scripts" not in root["project"], "auk-client is the client distribution's script"
+    assert root["tool"]["setuptools"]["packages"]["find"]["include"] == ["auk_triton*"]
+    assert "client" not in root["project"].get("optional-dependencies", {})
 
 
 # ---- error paths -----------------------------------------------------------------------
@@ -389,10 +537,13 @@ def test_server_pcm16_samples_are_written_as_they_are_and_back_to_float_by_the_i
     np.testing.assert_array_equal(assemble([Tile(2, pcm, 0.0)]), [0, 0, *(pcm.astype(np.float32) / 32767)])
 
 
-def test_the_auk_client_console_script_is_installed_and_prints_usage():
+def test_the_auk_client_console_script_is_installed_and_runs_both_commands():
     script = Path(sys.executable).parent / "auk-client"
     if not script.exists():
-        pytest.skip("the package is not installed in this environment (pip install -e .)")
-    proc = subprocess.run([str(script), "--help"], capture_output=True, timeout=60)
-    assert proc.returncode == 0
-    assert b"--raw" in proc.stdout and b"--float32" in proc.stdout
+        pytest.skip("the client is not installed in this environment (pip install -e ./client)")
+    overall = subprocess.run([str(script), "--help"], capture_output=True, timeout=60)
+    assert overall.returncode == 0
+    assert b"decode" in overall.stdout and b"pipeline" in overall.stdout
+    decode = subprocess.run([str(script), "decode", "--help"], capture_output=True, timeout=60)
+    assert decode.returncode == 0
+    assert b"--raw" in decode.stdout and b"--float32" in decode.stdout

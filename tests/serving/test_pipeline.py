@@ -11,7 +11,8 @@ import pytest
 from triton_harness import REPO_ROOT, closed_port, copy_model_repository, start_triton
 
 pytest.importorskip("tritonclient.grpc")
-from auk_client.pipeline import generate_latents, main as pipeline_main, random_prompt_embeds, stream_pipeline  # noqa: E402
+from auk_client.cli import main as auk_client_main  # noqa: E402
+from auk_client.pipeline import generate_latents, random_prompt_embeds, stream_pipeline  # noqa: E402
 from auk_client.stream import AuKClientError, assemble, stream_decode  # noqa: E402
 
 HOP = 480
@@ -142,9 +143,14 @@ def test_missing_inputs_are_refused(pipeline_server):
         client.close()
 
 
+def auk_client_pipeline(argv: list[str]) -> int:
+    """`auk-client pipeline ARGV` in this process: its stderr goes to capsys."""
+    return auk_client_main(["pipeline", *argv])
+
+
 def test_cli_writes_the_streamed_audio(pipeline_server, tmp_path, capsys):
     out = tmp_path / "gen.wav"
-    status = pipeline_main([
+    status = auk_client_pipeline([
         "--random-tokens", "5", "--seconds", "0.5", "--seed", "2", "--steps", "2",
         "--url", pipeline_server.grpc_url, "-o", str(out),
     ])
@@ -163,7 +169,7 @@ def one_pipeline_error_line(capsys) -> str:
 
 def test_cli_leaves_no_wav_behind_when_the_server_refuses_the_request(pipeline_server, tmp_path, capsys):
     out = tmp_path / "never.wav"
-    status = pipeline_main([
+    status = auk_client_pipeline([
         "--random-tokens", "2", "--seconds", "0.2", "--steps", "5000", "--url", pipeline_server.grpc_url, "-o", str(out),
     ])
     assert status == 1
@@ -173,7 +179,7 @@ def test_cli_leaves_no_wav_behind_when_the_server_refuses_the_request(pipeline_s
 
 def test_cli_reports_an_unwritable_output_path_in_one_line_as_a_usage_error(tmp_path, capsys):
     out = tmp_path / "no_such_folder" / "gen.wav"
-    status = pipeline_main([
+    status = auk_client_pipeline([
         "--random-tokens", "2", "--seconds", "0.2", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
     ])
     assert status == 2
@@ -182,7 +188,7 @@ def test_cli_reports_an_unwritable_output_path_in_one_line_as_a_usage_error(tmp_
 
 def test_cli_refuses_a_negative_seed_in_one_line_naming_the_option(tmp_path, capsys):
     out = tmp_path / "never.wav"
-    status = pipeline_main([
+    status = auk_client_pipeline([
         "--random-tokens", "2", "--seconds", "0.2", "--seed", "-1", "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
     ])
     assert status == 2
@@ -193,7 +199,7 @@ def test_cli_refuses_a_negative_seed_in_one_line_naming_the_option(tmp_path, cap
 @pytest.mark.parametrize("seconds", ["-1", "0", "nan"])
 def test_cli_refuses_a_duration_that_is_not_positive_before_asking_the_server(tmp_path, capsys, seconds):
     out = tmp_path / "never.wav"
-    status = pipeline_main([
+    status = auk_client_pipeline([
         "--random-tokens", "2", "--seconds", seconds, "--url", f"127.0.0.1:{closed_port()}", "-o", str(out),
     ])
     assert status == 2

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Load-test the AuK decode models with Triton's perf_analyzer.
 
-    python client/run_perf_analyzer.py                      # 2, 10, 60 s clips; concurrency 1, 4, 16
-    python client/run_perf_analyzer.py --seconds 1,5 --concurrency 1,2 --out-dir perf/cpu
+    python benchmarks/run_perf_analyzer.py                  # 2, 10, 60 s clips; concurrency 1, 4, 16
+    python benchmarks/run_perf_analyzer.py --seconds 1,5 --concurrency 1,2 --out-dir perf/cpu
 
 What it does:
 
