@@ -150,7 +150,8 @@ class TileScheduler:
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
         self._cond = threading.Condition()
-        self._closing = False
+        self._closing = False  # no new jobs
+        self._stopping = False  # and the ones left are stopped at the next iteration
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
 
@@ -197,13 +198,20 @@ class TileScheduler:
     def active(self) -> int:
         return len(self._jobs)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Let the jobs in the scheduler finish (up to `timeout`), then stop the thread."""
+    def close(self, drain_s: float = 2.0) -> None:
+        """Let the jobs in the scheduler finish for up to `drain_s`, stop the rest (their clients
+        see a cancelled stream), then end the thread: well inside Triton's exit timeout."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return
+        self._thread.join(drain_s)
+        if self._thread.is_alive():
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+            self._thread.join(drain_s)
 
     # ---- the scheduler's thread -------------------------------------------------------------
 
@@ -215,7 +223,13 @@ class TileScheduler:
                     if self._closing:
                         return
                     self._cond.wait()
-                batch = self._take_batch()
+                stopped = list(self._jobs) if self._stopping else []
+                batch = [] if self._stopping else self._take_batch()
+            for job in stopped:
+                self._end(job, job.sink.stop)
+            if stopped:
+                in_flight = None
+                continue
             try:
                 launched = self._launch(batch) if batch else None
                 if launched is not None and not self.look_ahead:

@@ -105,7 +105,7 @@ def scheduler_of():
 
     yield make
     for scheduler in made:
-        scheduler.close(timeout=5)
+        scheduler.close(drain_s=5)
 
 
 def submit(scheduler, frames, tag, log, **sink_kwargs):
@@ -277,7 +277,21 @@ def test_close_lets_the_requests_in_the_scheduler_finish_and_refuses_new_ones(sc
     scheduler = scheduler_of(decoder)
     log = []
     sink = submit(scheduler, 40, 1.0, log)
-    scheduler.close(timeout=10)
+    scheduler.close(drain_s=10)
     assert sink.ended.is_set() and sink.ending == "complete"
     with pytest.raises(RuntimeError, match="shutting down"):
         submit(scheduler, 10, 2.0, log)
+
+
+def test_close_stops_what_is_left_after_the_drain_so_shutdown_stays_prompt(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    decoder.permits = threading.Semaphore(2)
+    scheduler = scheduler_of(decoder)
+    log = []
+    sink = submit(scheduler, 100, 1.0, log)  # ten windows, two of them allowed
+    began = time.monotonic()
+    threading.Timer(0.5, lambda: [decoder.permits.release() for _ in range(20)]).start()
+    scheduler.close(drain_s=0.2)
+    assert time.monotonic() - began < 2.0
+    assert sink.ended.wait(5) and sink.ending == "cancelled"
+    assert len(sink.tiles) < 10
