@@ -52,21 +52,6 @@ TRITON_CONTAINER = "tritonserver"
 ENVOY_DEPLOYMENT = "auk-triton-envoy"
 CLUSTER_DOMAIN = "cluster.local"
 COREDNS_TTL_S = 5  # the kubernetes plugin's default
-# The per-model metric families Triton 2.51 (nvidia-pytriton 0.7.0) exports, read from a
-# running server's metrics port (`curl localhost:8002/metrics`); test_hpa_signal.py
-# checks the HPA's series against a live server as well.
-TRITON_MODEL_METRICS = {
-    "nv_inference_request_success",
-    "nv_inference_request_failure",
-    "nv_inference_count",
-    "nv_inference_exec_count",
-    "nv_inference_request_duration_us",
-    "nv_inference_queue_duration_us",
-    "nv_inference_compute_input_duration_us",
-    "nv_inference_compute_infer_duration_us",
-    "nv_inference_compute_output_duration_us",
-    "nv_inference_pending_request_count",
-}
 # /dev/shm sizing: what one request of the longest clip puts in the Python backend's
 # shared memory, per model instance (one instance per model per GPU, one request at a time).
 PROMPT_TOKENS = 512  # an assumed upper end for auk_dit's PROMPT_EMBEDS; the config sets none
@@ -583,11 +568,12 @@ def test_the_hpa_scales_the_triton_deployment_on_the_adapter_rule(deployed):
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
 
 
-def test_the_adapter_rule_reads_a_triton_metric_of_the_streaming_decoder():
+def test_the_adapter_rule_reads_the_streaming_decoder_s_active_requests_gauge():
     hpa = one(o for o in documents(BASE / "triton-hpa.yaml") if o["kind"] == "HorizontalPodAutoscaler")
     rule = adapter_rule(one(hpa["spec"]["metrics"])["pods"]["metric"]["name"])
     series = re.match(r"(\w+)\{", rule["seriesQuery"]).group(1)
-    assert series in TRITON_MODEL_METRICS, f"{series} is not a metric Triton 2.51 exports per model"
+    metrics_source = (REPO_ROOT / "auk_triton" / "serving" / "metrics.py").read_text()
+    assert series == "auk_vae_active_requests" and f'"{series}"' in metrics_source, series
     assert re.fullmatch(rule["name"]["matches"], series)
     for query in (rule["seriesQuery"], rule["metricsQuery"]):
         model = one(re.findall(r'model="([^"]+)"', query))
