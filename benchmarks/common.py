@@ -243,18 +243,25 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     url = f"127.0.0.1:{ports['grpc']}"
     began = time.perf_counter()
     client = grpcclient.InferenceServerClient(url)
-    while time.perf_counter() - began < ready_timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
-        try:
-            if all(client.is_model_ready(model) for model in models):
-                say(f"server ready in {time.perf_counter() - began:.1f} s")
-                return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
-        except Exception:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
+    try:
+        while time.perf_counter() - began < ready_timeout_s:
+            if process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
+            try:
+                if all(client.is_model_ready(model) for model in models):
+                    say(f"server ready in {time.perf_counter() - began:.1f} s")
+                    return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
+            except Exception:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
+    except BaseException:  # not ready, or Ctrl-C while waiting: the caller never gets the process to stop
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        raise
+    finally:
+        client.close()
 
 
 def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:

@@ -1,0 +1,828 @@
+"""The streaming decode model under many clients: first audio, underruns and throughput,
+against what the same batched graphs decode in process.
+
+A real `tritonserver` (started here on a synthetic checkpoint, or `--url` on this
+host) is driven over gRPC streaming, one client and stream per simulated user in
+its own thread. Closed loop: each client sends its next request when the last
+has ended. Open loop: seeded Poisson arrivals on a bounded pool of streams
+(arrivals that find none idle are counted, not started); `--find-max-load` steps
+the load up to the highest that keeps first audio p99 within target with no
+underrun. Clip lengths are drawn per request from `--clips`.
+
+Per request the client checks START_SAMPLE continuity, the final flag and the
+sample count, and times first audio and total; an underrun is a tile that
+arrives after the audio before it has played out, played from the first tile.
+The server's metrics, read around each run, give windows per replay, its first
+audio and underruns. The capacity (GPU): `decode_rows` of the served graph
+wrapper timed per bucket and rows, each clip's windows at their bucket's best
+rate; the decode alone, the most audio per second the GPU can make for the mix.
+`--device cpu --preset small` checks the script; its numbers are no measurement.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --mode closed --clients 1 4 16 --clips 10 60 --each-clip
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --mode open --load 0.8 --clips 2 10 30 60
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --device cpu --preset small --mode closed \\
+        --clients 1 2 --clips 0.5 1 --seconds-per-run 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import queue
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.serving.config import DecodeSettings, use_compile_cache
+from common import (
+    FRAMES_PER_SECOND,
+    MODEL,
+    MODEL_METRICS_LAG_S,
+    REPO_ROOT,
+    SAMPLES_PER_FRAME,
+    SEED,
+    clip_latents,
+    heading,
+    latents,
+    median_ms,
+    model_repository_copy,
+    say,
+    served_decoder_options,
+    start_server,
+    synthetic_checkpoint,
+)
+
+SAMPLE_RATE = FRAMES_PER_SECOND * SAMPLES_PER_FRAME
+OUTPUTS = {"pcm16": "WAVEFORM_PCM16", "float32": "WAVEFORM"}
+# Longest wait for one response; past it the request is an error and its stream is reopened.
+RESPONSE_TIMEOUT_S = 120.0
+# Longest wait for an open loop's requests once its arrivals have ended.
+DRAIN_TIMEOUT_S = 300.0
+LOAD_STEPS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+# Options that set the tile scheduler's config parameters: option -> parameter.
+SCHEDULER_PARAMETERS = {"batch_sizes": "batch_sizes", "batch_frames": "batch_frames",
+                        "max_active": "max_active_requests"}
+
+
+# ---- requests on one stream -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Clip:
+    seconds: float
+    latents: np.ndarray  # [frames, 64], as a request sends them
+
+    @property
+    def samples(self) -> int:
+        return self.latents.shape[0] * SAMPLES_PER_FRAME
+
+
+@dataclass
+class RequestOutcome:
+    """One request as its client saw it."""
+
+    clip_seconds: float
+    first_audio_ms: float | None = None
+    total_ms: float | None = None
+    tiles: int = 0
+    audio_seconds: float = 0.0
+    underruns: int = 0  # tiles that arrived after the audio before them had played out
+    error: str | None = None
+    start_lag_ms: float = 0.0  # open loop: sent this long after its arrival was due
+    ended: float = 0.0  # perf_counter at its final response (or its error)
+
+
+def clip_frames(seconds: float) -> int:
+    """Latent frames of a clip of `seconds`, as `common.clip_latents` makes it."""
+    return int(seconds * FRAMES_PER_SECOND)
+
+
+def make_clips(seconds_list) -> dict[float, Clip]:
+    """Seeded latents per clip length, made once (a seed of their own per length)."""
+    return {seconds: Clip(seconds, clip_latents(seconds, seed=SEED + index))
+            for index, seconds in enumerate(sorted(set(seconds_list)))}
+
+
+class StreamClient:
+    """One simulated user: its own gRPC client and stream, one request at a time."""
+
+    def __init__(self, url: str, name: str, output: str):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.name, self.output = name, output
+        self.client = grpcclient.InferenceServerClient(url)
+        self.requested = [grpcclient.InferRequestedOutput(n) for n in (output, "START_SAMPLE")]
+        self._inputs: dict[float, object] = {}  # serialized once per clip length
+        self.sent = 0
+        self.warm = False
+        self.closed = False  # set at the end (or on Ctrl-C): no request or stream after it
+        self._open()
+
+    def _open(self) -> None:
+        responses = self.responses = queue.Queue()  # a reopened stream gets a queue of its own
+        self.client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+
+    def reopen(self) -> None:
+        """A new stream, after an error or a timeout left this one in an unknown state."""
+        with contextlib.suppress(Exception):
+            self.client.stop_stream(cancel_requests=True)
+        if not self.closed:
+            with contextlib.suppress(Exception):  # the server is gone: the next request fails in turn
+                self._open()
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.client.stop_stream(cancel_requests=True)  # close() alone waits for pending requests
+            self.client.close()
+
+    def _input(self, clip: Clip):
+        if clip.seconds not in self._inputs:
+            tensor = self._grpc.InferInput("LATENTS", list(clip.latents.shape), "FP32")
+            tensor.set_data_from_numpy(clip.latents)
+            self._inputs[clip.seconds] = tensor
+        return self._inputs[clip.seconds]
+
+    def decode(self, clip: Clip, due: float | None = None) -> RequestOutcome:
+        """Stream one request of `clip` and check its responses; `due`: when it should have been
+        sent (perf_counter), for the open loop's start lag."""
+        self.sent += 1
+        request_id = f"{self.name}-{self.sent}"
+        outcome = RequestOutcome(clip.seconds)
+        sent = time.perf_counter()
+        if due is not None:
+            outcome.start_lag_ms = (sent - due) * 1e3
+        try:
+            self.client.async_stream_infer(MODEL, [self._input(clip)], outputs=self.requested, request_id=request_id,
+                                           enable_empty_final_response=True)
+            self._receive(clip, request_id, sent, outcome)
+        except Exception as err:  # the stream broke: this request fails, the next gets a new stream
+            outcome.error = outcome.error or f"{type(err).__name__}: {err}"
+        if outcome.error is not None:
+            outcome.ended = outcome.ended or time.perf_counter()
+            self.reopen()
+        return outcome
+
+    def _receive(self, clip: Clip, request_id: str, sent: float, outcome: RequestOutcome) -> None:
+        received = 0  # samples so far: where the next tile must start
+        first_arrival = None
+        while True:
+            try:
+                arrived, result, error = self.responses.get(timeout=RESPONSE_TIMEOUT_S)
+            except queue.Empty:
+                outcome.error = f"no response in {RESPONSE_TIMEOUT_S:g} s after {outcome.tiles} tiles"
+                return
+            if error is not None:  # an error response ends its request
+                outcome.error = f"server: {error}"
+                outcome.ended = arrived
+                return
+            response = result.get_response()
+            if response.id and response.id != request_id:
+                continue  # not this request's (only possible after a reopen; kept out all the same)
+            samples = result.as_numpy(self.output)
+            if samples is not None:
+                start = result.as_numpy("START_SAMPLE")
+                if outcome.error is None and (start is None or int(start[0]) != received):
+                    outcome.error = f"tile {outcome.tiles} starts at {None if start is None else int(start[0])}, " \
+                                    f"expected {received}"
+                if first_arrival is None:
+                    first_arrival = arrived
+                    outcome.first_audio_ms = (arrived - sent) * 1e3
+                elif arrived > first_arrival + received / SAMPLE_RATE:
+                    outcome.underruns += 1
+                received += samples.size
+                outcome.tiles += 1
+            params = response.parameters  # a protobuf map: look before indexing, which would add the key
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                break
+        outcome.total_ms, outcome.ended = (arrived - sent) * 1e3, arrived
+        outcome.audio_seconds = received / SAMPLE_RATE
+        if outcome.error is None and received != clip.samples:
+            outcome.error = f"{received} samples of {clip.samples}"
+
+
+class StreamPool:
+    """Streams made as runs need them, kept for later runs (their connections stay up)."""
+
+    def __init__(self, url: str, output: str):
+        self.url, self.output = url, output
+        self.streams: list[StreamClient] = []
+
+    def take(self, count: int) -> list[StreamClient]:
+        while len(self.streams) < count:
+            self.streams.append(StreamClient(self.url, f"s{len(self.streams)}", self.output))
+        return self.streams[:count]
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+
+def in_threads(target, items) -> None:
+    """`target(index, item)` for every item, each in its own thread; returns when all have."""
+    threads = [threading.Thread(target=target, args=(index, item), daemon=True) for index, item in enumerate(items)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def warm_up(streams: list[StreamClient], mix: tuple[Clip, ...]) -> list[RequestOutcome]:
+    """The mix's shortest clip on every stream at once (its connection, the server's first
+    windows), then every other length once on the first stream."""
+    shortest = min(mix, key=lambda clip: clip.seconds)
+    outcomes: list[RequestOutcome] = []
+    in_threads(lambda _, stream: outcomes.append(stream.decode(shortest)), streams)
+    for clip in mix:
+        if clip is not shortest:
+            outcomes.append(streams[0].decode(clip))
+    for stream in streams:
+        stream.warm = True
+    errors = [outcome.error for outcome in outcomes if outcome.error]
+    if errors:
+        say(f"warm-up: {len(errors)} of {len(outcomes)} requests failed, the first: {errors[0]}")
+    return outcomes
+
+
+def warmed_up_metrics(metrics_url: str | None, streams: list[StreamClient], mix: tuple[Clip, ...]):
+    """Warm up, and the metrics once they count the warm-up's tiles: a run's snapshot before it."""
+    baseline = model_metrics(metrics_url)
+    return metrics_after(metrics_url, baseline, warm_up(streams, mix))
+
+
+# ---- the server's numbers -------------------------------------------------------------------
+
+METRIC_LINE = re.compile(r"^(auk_vae_\w+)(?:\{(.*)\})? (\S+)$")
+
+
+def model_metrics(metrics_url: str | None) -> dict[str, float] | None:
+    """The decode model's auk_vae_* samples on the metrics port, summed over versions;
+    a histogram bucket is named `<name>:<le>`. None where the port does not answer."""
+    if metrics_url is None:
+        return None
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+    except OSError as err:
+        say(f"no metrics from {metrics_url}: {err}")
+        return None
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = METRIC_LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        found = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
+        if found.get("model") != MODEL:
+            continue
+        if "le" in found:
+            name = f"{name}:{found['le']}"
+        totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def metrics_after(metrics_url: str | None, before: dict | None, outcomes, timeout_s: float = 5.0):
+    """The metrics once they count the run's tiles and first tiles (the model reports them a few
+    milliseconds after it sends them), or after `timeout_s`."""
+    if before is None:
+        return None
+    tiles = sum(outcome.tiles for outcome in outcomes)
+    firsts = sum(outcome.tiles > 0 for outcome in outcomes)
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        after = model_metrics(metrics_url)
+        if after is None or "auk_vae_tiles_sent_total" not in after or time.perf_counter() > deadline:
+            return after  # no model metrics on this server, or they never caught up
+        grew = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+        if grew("auk_vae_tiles_sent_total") >= tiles and grew("auk_vae_first_audio_seconds_count") >= firsts:
+            time.sleep(MODEL_METRICS_LAG_S)  # the last iteration's replay count comes in the same report
+            return model_metrics(metrics_url)
+        time.sleep(0.02)
+
+
+def server_numbers(before: dict | None, after: dict | None) -> dict | None:
+    """The scheduler's numbers between two snapshots: replays, mean windows per replay, first
+    audio (mean, and the histogram bucket that holds its p99) and underruns; None if absent."""
+    if not before or not after or "auk_vae_windows_per_replay_count" not in after:
+        return None
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    replays, firsts = grew("auk_vae_windows_per_replay_count"), grew("auk_vae_first_audio_seconds_count")
+    prefix = "auk_vae_first_audio_seconds_bucket:"
+    buckets = sorted((float(name[len(prefix):]), grew(name)) for name in after if name.startswith(prefix))
+    p99_le = next((le for le, count in buckets if count >= 0.99 * firsts), None) if firsts else None
+    return {
+        "replays": replays,
+        "windows_per_replay": grew("auk_vae_windows_per_replay_sum") / replays if replays else None,
+        "first_audio_mean_ms": grew("auk_vae_first_audio_seconds_sum") / firsts * 1e3 if firsts else None,
+        "first_audio_p99_le_ms": None if p99_le is None else p99_le * 1e3,
+        "underruns": int(grew("auk_vae_underruns_total")),
+        "first_tiles": int(firsts),  # requests whose first tile the model sent: the client's count, if clean
+    }
+
+
+# ---- runs -----------------------------------------------------------------------------------
+
+
+class LoadError(RuntimeError):
+    """A run that cannot end: the runs after it are not made."""
+
+
+
+@dataclass
+class Run:
+    """One run's requests and what was measured around them."""
+
+    mode: str
+    load: str  # "4 clients", "12.0 req/s (0.80 of capacity)"
+    clips: tuple[float, ...]
+    outcomes: list[RequestOutcome]
+    wall_s: float
+    not_started: int = 0
+    server: dict | None = None
+    capacity: float | None = None  # audio seconds per second the GPU decodes for this mix, in process
+
+    def done(self) -> list[RequestOutcome]:
+        return [outcome for outcome in self.outcomes if outcome.error is None]
+
+    def errors(self) -> list[RequestOutcome]:
+        return [outcome for outcome in self.outcomes if outcome.error is not None]
+
+    def audio_per_second(self) -> float:
+        return sum(outcome.audio_seconds for outcome in self.done()) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def underruns(self) -> tuple[int, int]:
+        """(underrun tiles, requests with any)."""
+        return sum(o.underruns for o in self.outcomes), sum(o.underruns > 0 for o in self.outcomes)
+
+    def percentiles(self, attribute: str) -> tuple[float | None, float | None]:
+        values = [getattr(o, attribute) for o in self.done() if getattr(o, attribute) is not None]
+        if not values:
+            return None, None
+        return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
+def run_closed_loop(pool: StreamPool, mix: tuple[Clip, ...], clients: int, seconds: float, requests: int | None,
+                    seed: int, metrics_url: str | None) -> Run:
+    """`clients` streams, each sending its next request when the last has ended, for `seconds`
+    (or `requests` each), clip lengths drawn per request from a generator of its own."""
+    streams = pool.take(clients)
+    before = warmed_up_metrics(metrics_url, streams, mix)
+    outcomes: list[RequestOutcome] = []
+    start = threading.Barrier(clients + 1)
+
+    def client(index: int, stream: StreamClient) -> None:
+        draws = np.random.default_rng([seed, clients, index])
+        start.wait()
+        deadline, sent = time.perf_counter() + seconds, 0
+        while not stream.closed and ((sent < requests) if requests is not None else time.perf_counter() < deadline):
+            outcomes.append(stream.decode(mix[draws.integers(len(mix))]))
+            sent += 1
+
+    threads = [threading.Thread(target=client, args=(i, s), daemon=True) for i, s in enumerate(streams)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = max((outcome.ended for outcome in outcomes), default=began) - began
+    after = metrics_after(metrics_url, before, outcomes)
+    label = f"{clients} client{'' if clients == 1 else 's'}"
+    return Run("closed", label, tuple(c.seconds for c in mix), outcomes, wall, server=server_numbers(before, after))
+
+
+def poisson_arrivals(rate: float, duration: float, clip_count: int, draws: np.random.Generator):
+    """(seconds from the start, clip index) of each arrival of a Poisson process of `rate`."""
+    arrivals, at = [], draws.exponential(1 / rate)
+    while at < duration:
+        arrivals.append((at, int(draws.integers(clip_count))))
+        at += draws.exponential(1 / rate)
+    return arrivals
+
+
+def run_open_loop(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration: float, max_streams: int,
+                  seed: int, metrics_url: str | None, label: str) -> Run:
+    """Poisson arrivals of `rate` per second for `duration` seconds, each a new request on an idle
+    stream of the pool; an arrival that finds none idle is counted, not started."""
+    streams = pool.take(max_streams)
+    if all(stream.warm for stream in streams):
+        before = model_metrics(metrics_url)  # the last run's metrics_after waited for its counters
+    else:
+        before = warmed_up_metrics(metrics_url, streams, mix)
+    arrivals = poisson_arrivals(rate, duration, len(mix), np.random.default_rng([seed, int(rate * 1000)]))
+    outcomes: list[RequestOutcome] = []
+    idle: queue.SimpleQueue = queue.SimpleQueue()
+    inboxes = [queue.SimpleQueue() for _ in streams]
+
+    def worker(index: int, stream: StreamClient) -> None:
+        while (item := inboxes[index].get()) is not None:
+            clip, due = item
+            outcomes.append(stream.decode(clip, due))
+            idle.put(index)
+
+    threads = [threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(streams)]
+    for index, thread in enumerate(threads):
+        thread.start()
+        idle.put(index)
+    not_started = 0
+    began = time.perf_counter()
+    for at, clip_index in arrivals:
+        time.sleep(max(0.0, began + at - time.perf_counter()))
+        try:
+            index = idle.get_nowait()
+        except queue.Empty:
+            not_started += 1
+            continue
+        inboxes[index].put((mix[clip_index], began + at))
+    for inbox in inboxes:
+        inbox.put(None)
+    drain_until = time.perf_counter() + DRAIN_TIMEOUT_S
+    for thread in threads:
+        thread.join(max(0.0, drain_until - time.perf_counter()))
+    if any(thread.is_alive() for thread in threads):
+        raise LoadError(f"requests still running {DRAIN_TIMEOUT_S:g} s after the last arrival at {label}: "
+                        "the server is far past its capacity")
+    wall = max((outcome.ended for outcome in outcomes), default=began) - began
+    after = metrics_after(metrics_url, before, outcomes)
+    return Run("open", label, tuple(c.seconds for c in mix), outcomes, wall, not_started,
+               server_numbers(before, after))
+
+
+# ---- the in-process capacity ----------------------------------------------------------------
+
+
+@dataclass
+class Capacity:
+    """What the served graphs decode in process: each batch key's best windows per second, and
+    each clip length's windows by key."""
+
+    windows_per_second: dict[int, float]
+    window_keys: dict[float, list[int]]
+
+    def gpu_seconds(self, clip_seconds: float) -> float:
+        return sum(1 / self.windows_per_second[key] for key in self.window_keys[clip_seconds])
+
+    def requests_per_second(self, mix) -> float:
+        """Requests per second of a uniform draw from `mix` (clip seconds)."""
+        return 1 / float(np.mean([self.gpu_seconds(seconds) for seconds in mix]))
+
+    def audio_per_second(self, mix) -> float:
+        audio = np.mean([clip_frames(seconds) / FRAMES_PER_SECOND for seconds in mix])
+        return float(audio) * self.requests_per_second(mix)
+
+
+def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGraph:
+    """The graph wrapper as the decode model builds it on a GPU (decode_model.initialize)."""
+    vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **served_decoder_options("cuda"))
+    return AuKVAEDecodeGraph(
+        vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
+        max_graphs=settings.max_graphs, compile_shapes=settings.compile_shapes, tile_frames=settings.tile_frames,
+        first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
+        batch_frames=settings.batch_frames,
+    )
+
+
+def replay_ms(graph: AuKVAEDecodeGraph, frames: int, rows: int, iters: int) -> float:
+    """Median ms of `decode_rows` of `rows` windows of `frames` (seeded latents)."""
+    batch = [latents(frames, "cuda", seed=SEED + 100 + row) for row in range(rows)]
+    return median_ms(lambda: graph.decode_rows(batch), iters=iters)
+
+
+def measure_capacity(checkpoint: Path, settings: DecodeSettings, clip_seconds, iters: int) -> Capacity:
+    """Time `decode_rows` of B rows per batch key and B, and keep each key's best rate."""
+    graph = served_graph(checkpoint, settings)
+    began = time.perf_counter()
+    graph.warmup("cuda", on_bucket=lambda frames, seconds, ok: say(
+        f"in-process bucket {frames} frames: {'built' if ok else 'FAILED'} in {seconds:.0f} s"))
+    say(f"in-process warm-up {time.perf_counter() - began:.0f} s")
+    device = torch.device("cuda")
+    window_keys = {seconds: [graph.batch_key(size, device) for _, size, _, _ in graph.plan(clip_frames(seconds))]
+                   for seconds in clip_seconds}
+    keys = sorted(set(graph.compile_shapes) | {key for found in window_keys.values() for key in found})
+    say("\n| batch key (frames) | rows | ms per replay | windows per s | tier |")
+    say("| --- | --- | --- | --- | --- |")
+    best: dict[int, float] = {}
+    for key in keys:
+        for rows in [b for b in graph.batch_sizes if b <= graph.batch_capacity(key)]:
+            ms = replay_ms(graph, key, rows, iters)
+            rate = rows / (ms / 1e3)
+            best[key] = max(best.get(key, 0.0), rate)
+            say(f"| {key} | {rows} | {ms:.2f} | {rate:.0f} | {graph.last_mode} |")
+    del graph
+    gc.collect()
+    torch.cuda.empty_cache()  # the server's instance comes next on the same GPU
+    return Capacity(best, window_keys)
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+def scheduler_values(args) -> dict[str, str]:
+    """The scheduler's config parameters given on the command line, as config text."""
+    values = {}
+    for option, parameter in SCHEDULER_PARAMETERS.items():
+        value = getattr(args, option)
+        if value is not None:
+            values[parameter] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return values
+
+
+def set_model_parameters(model_dir: Path, values: dict[str, str]) -> None:
+    """Write `values` into the empty parameters of both config files of a model."""
+    for config in (model_dir / "config.pbtxt", model_dir / "configs" / "gpu.pbtxt"):
+        text = config.read_text()
+        for key, value in values.items():
+            text, count = re.subn(rf'(key: "{key}", value: \{{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+            if count != 1:
+                raise RuntimeError(f"no {key} parameter in {config}")
+        config.write_text(text)
+
+
+def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> tuple[str, str]:
+    """Start tritonserver (a copy of model_repository/ where the options change it); it is stopped
+    when `stack` closes. Returns the gRPC and metrics addresses."""
+    values = scheduler_values(args)
+    buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
+    repository = None
+    if buckets is not None or values:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
+        repository = model_repository_copy(folder / "model_repository", buckets)
+        set_model_parameters(repository / MODEL, values)
+    process, url, _, metrics_url = start_server(
+        checkpoint, cache, Path(args.log), (MODEL,), device="gpu" if args.device == "cuda" else "cpu",
+        model_repository=repository)
+    stack.callback(stop_server, process)
+    return url, metrics_url
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def number(value, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def capacity_share(run: Run) -> str:
+    return "n/a" if not run.capacity else f"{run.audio_per_second() / run.capacity * 100:.0f}%"
+
+
+def server_cells(server: dict | None) -> tuple[str, str, str]:
+    """(windows per replay, first audio mean / p99 bucket ms, underruns) of the server's numbers."""
+    if server is None:
+        return "n/a", "n/a", "n/a"
+    p99 = server["first_audio_p99_le_ms"]
+    first = f"{number(server['first_audio_mean_ms'])} / {'n/a' if p99 is None else f'<= {p99:g}'}"
+    return number(server["windows_per_replay"], 2), first, str(server["underruns"])
+
+
+def run_cells(run: Run) -> dict[str, str]:
+    """A run's numbers as text, for its line and its summary row."""
+    (first50, first99), (total50, total99) = run.percentiles("first_audio_ms"), run.percentiles("total_ms")
+    tiles, requests = run.underruns()
+    windows, server_first, server_underruns = server_cells(run.server)
+    return {
+        "first50": number(first50), "first99": number(first99), "total50": number(total50), "total99": number(total99),
+        "audio": f"{run.audio_per_second():.1f}", "rate": f"{len(run.done()) / run.wall_s if run.wall_s else 0:.2f}",
+        "share": capacity_share(run), "underruns": f"{tiles} ({requests})", "errors": str(len(run.errors())),
+        "windows": windows, "server_first": server_first, "server_underruns": server_underruns,
+    }
+
+
+def run_line(run: Run) -> str:
+    cells, (tiles, requests) = run_cells(run), run.underruns()
+    started = ""
+    if run.mode == "open":
+        lags = [o.start_lag_ms for o in run.outcomes]
+        lag = f", start lag p99 {np.percentile(lags, 99):.1f} ms" if lags else ""
+        started = f" ({run.not_started} not started{lag})"
+    return (f"{run.mode}, {run.load}, clips {'/'.join(f'{s:g}' for s in run.clips)} s: {len(run.outcomes)} requests"
+            f"{started}, first audio p50 {cells['first50']} / p99 {cells['first99']} ms, total p50 {cells['total50']}"
+            f" / p99 {cells['total99']} ms, {cells['audio']} audio s/s ({cells['rate']} req/s, {cells['share']} of "
+            f"capacity), underruns {tiles} in {requests} requests, errors {cells['errors']}; server: "
+            f"{run.server['first_tiles'] if run.server else 'n/a'} requests, {cells['windows']} windows per replay, "
+            f"first audio mean / p99 {cells['server_first']} ms, underruns {cells['server_underruns']}")
+
+
+SUMMARY_COLUMNS = ("first50", "first99", "total50", "total99", "audio", "rate", "share", "underruns", "errors",
+                   "windows", "server_first", "server_underruns")
+
+
+def print_summary(runs: list[Run]) -> None:
+    say("\n| mode | clips s | load | requests | not started | first audio p50 ms | p99 | total p50 ms | p99 "
+        "| audio s/s | req/s | of capacity | underruns (requests) | errors | server windows per replay "
+        "| server first audio mean / p99 ms | server underruns |")
+    say("| --- " * 17 + "|")
+    for run in runs:
+        cells = run_cells(run)
+        say(f"| {run.mode} | {' '.join(f'{s:g}' for s in run.clips)} | {run.load} | {len(run.outcomes)} | "
+            f"{run.not_started} | " + " | ".join(cells[column] for column in SUMMARY_COLUMNS) + " |")
+    for run in runs:
+        for outcome in run.errors()[:3]:
+            say(f"error, {run.mode} {run.load}, {outcome.clip_seconds:g} s clip: {outcome.error}")
+
+
+def meets_target(run: Run, p99_target_ms: float) -> bool:
+    """First audio p99 within the target, no underrun (client or server), error or unstarted request."""
+    _, first99 = run.percentiles("first_audio_ms")
+    server_underruns = run.server["underruns"] if run.server else 0
+    return (first99 is not None and first99 <= p99_target_ms and run.underruns()[0] == 0
+            and server_underruns == 0 and not run.errors() and run.not_started == 0)
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("closed", "open"), default="closed")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="closed loop: clients per run")
+    parser.add_argument("--seconds-per-run", type=float, default=15.0, help="closed loop: seconds of requests per run")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="closed loop: requests per client per run, instead of --seconds-per-run")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="open loop: offered requests per second")
+    parser.add_argument("--load", type=float, nargs="+", default=None,
+                        help="open loop: offered load as fractions of the in-process capacity (GPU, --capacity)")
+    parser.add_argument("--duration", type=float, default=60.0, help="open loop: seconds of arrivals per run")
+    parser.add_argument("--max-streams", type=int, default=64, help="open loop: streams in the pool")
+    parser.add_argument("--find-max-load", action="store_true",
+                        help=f"open loop: step the load up (default {' '.join(map(str, LOAD_STEPS))} of the "
+                             "capacity, or --load / --rates) until a step misses the target; implies --mode open")
+    parser.add_argument("--p99-target-ms", type=float, default=50.0, help="--find-max-load: first audio p99 target")
+    parser.add_argument("--clips", type=float, nargs="+", default=[2, 10, 30, 60],
+                        help="clip lengths in seconds, drawn uniformly per request")
+    parser.add_argument("--each-clip", action="store_true", help="run each clip length on its own instead of the mix")
+    parser.add_argument("--format", choices=list(OUTPUTS), default="pcm16",
+                        help="pcm16: WAVEFORM_PCM16 (int16); float32: WAVEFORM")
+    parser.add_argument("--seed", type=int, default=SEED, help="clip draws and arrivals")
+    parser.add_argument("--preset", default="auk", help="synthetic checkpoint preset (small: for the CPU)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the CPU model config (a check that the script works, not a measurement)")
+    parser.add_argument("--url", default=None, help="a running server's gRPC address on this host, instead of one "
+                                                   "started here (its settings are its own)")
+    parser.add_argument("--metrics-url", default=None, help="with --url: its metrics address (default port 8002)")
+    parser.add_argument("--capacity", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure the in-process capacity (default: on with CUDA)")
+    parser.add_argument("--capacity-iters", type=int, default=20, help="timed replays per batch key and rows")
+    parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_COMPILE_SHAPES),
+                        help="compiled buckets (compile_shapes), served and in process")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="the scheduler's rows per replay (default 1 2 4 8 16; 1: batching off)")
+    parser.add_argument("--batch-frames", type=int, default=None, help="frames per batched replay (default one tile)")
+    parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default 32)")
+    parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
+    parser.add_argument("--log", default="tritonserver.log")
+    args = parser.parse_args()
+
+    if args.find_max_load:
+        args.mode = "open"
+    if args.capacity is None:
+        args.capacity = args.device == "cuda" and torch.cuda.is_available()
+    if args.capacity and (args.device != "cuda" or not torch.cuda.is_available()):
+        parser.error("--capacity needs CUDA")
+    if args.mode == "open":
+        if args.rates is None and args.load is None and not args.find_max_load:
+            parser.error("the open loop needs --rates or --load (or --find-max-load)")
+        if args.rates is None and not args.capacity:
+            parser.error("--load and --find-max-load refer to the in-process capacity (GPU, --capacity); "
+                         "give --rates instead")
+    for address in filter(None, (args.url, args.metrics_url)):
+        if address.rsplit(":", 1)[0] not in LOOPBACK_HOSTS:
+            parser.error(f"{address}: only a server on this host (127.0.0.1) is driven")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA here (--device cpu checks the script on the CPU)")
+    if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
+        parser.error("--buckets, --batch-sizes, --batch-frames and --max-active configure a server started here, "
+                     "not --url's")
+    if args.url and args.metrics_url is None:
+        args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
+    return args
+
+
+def decode_settings(args) -> DecodeSettings:
+    """The model's settings for these options (DecodeSettings' defaults where not given)."""
+    default = DecodeSettings()
+    return DecodeSettings(
+        compile_shapes=tuple(args.buckets),
+        batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else default.batch_sizes,
+        batch_frames=args.batch_frames or default.batch_frames,
+        max_active_requests=args.max_active or default.max_active_requests,
+    )
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else script
+    return shlex.join(["python3", str(shown), *sys.argv[1:]])
+
+
+def offered_rates(args, capacity: Capacity | None, mix: tuple[float, ...]) -> list[tuple[float, str]]:
+    """(requests per second, label) of each open-loop run for a mix."""
+    if args.rates is not None:
+        return [(rate, f"{rate:g} req/s") for rate in args.rates]
+    full = capacity.requests_per_second(mix)
+    return [(fraction * full, f"{fraction * full:.2f} req/s ({fraction:g} of capacity)")
+            for fraction in (args.load or LOAD_STEPS)]
+
+
+def run_all(args, pool: StreamPool, mixes, capacity: Capacity | None, metrics_url: str | None, runs: list) -> None:
+    """Every run of the chosen mode, mix by mix; appends each to `runs` as it ends."""
+    for mix in mixes:
+        seconds = tuple(clip.seconds for clip in mix)
+        steps = args.clients if args.mode == "closed" else offered_rates(args, capacity, seconds)
+        passed = None
+        for step in steps:
+            if args.mode == "closed":
+                run = run_closed_loop(pool, mix, step, args.seconds_per_run, args.requests, args.seed, metrics_url)
+            else:
+                rate, label = step
+                run = run_open_loop(pool, mix, rate, args.duration, args.max_streams, args.seed, metrics_url, label)
+            run.capacity = capacity.audio_per_second(seconds) if capacity else None
+            runs.append(run)
+            say(run_line(run))
+            if args.find_max_load:
+                if not meets_target(run, args.p99_target_ms):
+                    break  # the steps go up: the rest would miss it too
+                passed = run
+        if args.find_max_load:
+            verdict = f"{passed.load}, {passed.audio_per_second():.1f} audio s/s" if passed else "none of the steps"
+            say(f"highest load with first audio p99 <= {args.p99_target_ms:g} ms and no underrun, error or unstarted "
+                f"request, clips {'/'.join(f'{s:g}' for s in seconds)} s: {verdict}")
+
+
+def main() -> None:
+    args = parse_args()
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-load-"))
+    if args.device == "cuda":
+        use_compile_cache(cache)  # the server inherits it: its buckets find what this process compiled
+    say(heading(f"AuK under load, {args.preset} (synthetic), {args.format}", args.device))
+    say(f"command: {command_line()}")
+    settings = decode_settings(args)
+    where = "the running server's settings are its own; in process" if args.url else "served and in process"
+    say(f"settings ({where}): buckets {','.join(map(str, settings.compile_shapes))}, batch sizes "
+        f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
+        f"max active requests {settings.max_active_requests}")
+    clips = make_clips(args.clips)
+    mixes = [(clips[s],) for s in args.clips] if args.each_clip else [tuple(clips[s] for s in args.clips)]
+    checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)
+
+    capacity = None
+    if args.capacity:
+        capacity = measure_capacity(checkpoint, settings, list(clips), args.capacity_iters)
+        for mix in mixes:
+            seconds = tuple(clip.seconds for clip in mix)
+            say(f"capacity, clips {'/'.join(f'{s:g}' for s in seconds)} s: {capacity.audio_per_second(seconds):.0f} "
+                f"audio s per s ({capacity.requests_per_second(seconds):.2f} requests per s)")
+    else:
+        say("in-process capacity: not measured (" + ("no CUDA" if args.device != "cuda" else "--no-capacity") + ")")
+
+    runs: list[Run] = []
+    status = 0
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url, metrics_url = args.url, args.metrics_url
+        else:
+            url, metrics_url = serve(args, checkpoint, cache, stack)
+        pool = StreamPool(url, OUTPUTS[args.format])
+        stack.callback(pool.close)
+        try:
+            run_all(args, pool, mixes, capacity, metrics_url, runs)
+        except KeyboardInterrupt:
+            say("interrupted: the runs so far follow")
+            status = 130
+        except LoadError as err:
+            say(f"stopped: {err}")
+            status = 1
+    print_summary(runs)
+    failed = sum(len(run.errors()) for run in runs)
+    if failed:
+        say(f"{failed} requests failed")
+    sys.exit(status or (1 if failed else 0))
+
+
+if __name__ == "__main__":
+    main()
