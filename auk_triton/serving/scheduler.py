@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # A request that has waited longer than this before its first window may have been
 # abandoned: ask whether it was cancelled (a round trip to the server) before decoding it.
+# Later windows are asked about after each tile is sent, as a cancelled stream is seen.
 STALE_FIRST_WINDOW_S = 0.02
 
 
@@ -265,8 +266,9 @@ class TileScheduler:
         now = self.clock()
         live = []
         for job in batch:
-            first = job.next_window == 1
-            if (not first or now - job.arrived > STALE_FIRST_WINDOW_S) and job.sink.cancelled():
+            # Asking is a round trip to the server: only a first window that has waited asks
+            # here (later windows ask after their tile is sent, off the first audio's path).
+            if job.next_window == 1 and now - job.arrived > STALE_FIRST_WINDOW_S and job.sink.cancelled():
                 self._end(job, job.sink.stop)
             else:
                 live.append(job)
@@ -338,6 +340,8 @@ class TileScheduler:
             report.tile_seconds.append(seconds)
             if last:
                 self._end(job, lambda: None)
+            elif job.sink.cancelled():  # only where another tile would follow
+                self._end(job, job.sink.stop)
         self.underruns += report.underruns
         report.active = len(self._jobs)
         if self.on_iteration is not None:
