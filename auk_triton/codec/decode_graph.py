@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the AuK codec decode, in three tiers.
+"""CUDA-graph replay of the AuK codec decode: three tiers, and windows of several clips batched.
 
 The eager decoder launches thousands of small kernels per window (about 2,500
 for 512 frames), so on a GPU it is bound by launch overhead, not by

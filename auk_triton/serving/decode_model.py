@@ -5,6 +5,10 @@ tile, the last one with the final flag) and `model_repository/auk_vae_decode_off
 (one response with the whole waveform) import this class; the loaded config's
 transaction policy picks the mode. The two modes run the same tiled decode, so
 the concatenated stream equals the offline waveform.
+
+`execute` checks each request and hands it to the instance's tile scheduler
+(`scheduler.py`), whose thread decodes and sends; a request's sink (`StreamSink`,
+`OfflineSink`) turns its tiles into Triton responses.
 """
 
 from __future__ import annotations
