@@ -35,6 +35,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from .requests import ServerStopping
+
 log = logging.getLogger(__name__)
 
 # A request that has waited longer than this before its first window may have been
@@ -69,6 +71,12 @@ class WindowDecoder(Protocol):
     def batch_capacity(self, key: int) -> int: ...
 
     def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+STOPPING_MESSAGE = (
+    "the model is shutting down (its server stops or unloads it) before the end of this request: "
+    "send it again"
+)
 
 
 @dataclass(eq=False)
@@ -190,7 +198,7 @@ class TileScheduler:
             while len(self._jobs) >= self.max_active and not self._closing:
                 self._cond.wait()
             if self._closing:
-                raise RuntimeError("the model is shutting down")
+                raise ServerStopping(STOPPING_MESSAGE)
             job.arrived = job.arrived or self.clock()
             self._jobs.append(job)
             self._cond.notify_all()
@@ -200,8 +208,15 @@ class TileScheduler:
         return len(self._jobs)
 
     def close(self, drain_s: float = 2.0) -> None:
-        """Let the jobs in the scheduler finish for up to `drain_s`, stop the rest (their clients
-        see a cancelled stream), then end the thread: well inside Triton's exit timeout."""
+        """Let the jobs in the scheduler finish for up to `drain_s`, end the rest with
+        ServerStopping, then end the thread: well inside Triton's exit timeout.
+
+        Seen on Triton 2.51, a server stop reaches finalize (and so this) only once the
+        requests in flight have ended, or at the exit timeout: a stream that outlasts the
+        timeout keeps the server until then. The one question that would tell the model
+        of the stop earlier, pb_utils.is_model_ready, crashed that server (an uncaught
+        boost::interprocess::lock_exception in the Python backend) in 2 of 6 stops when
+        asked during one, so nothing here asks it."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -227,7 +242,7 @@ class TileScheduler:
                 stopped = list(self._jobs) if self._stopping else []
                 batch = [] if self._stopping else self._take_batch()
             for job in stopped:
-                self._end(job, job.sink.stop)
+                self._end(job, lambda job=job: job.sink.fail(ServerStopping(STOPPING_MESSAGE)))
             if stopped:
                 in_flight = None
                 continue

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from .requests import RequestError
+from .requests import RequestCancelled, RequestError, ServerStopping
 
 
 def log(level: str, message: str) -> None:
@@ -36,17 +36,36 @@ def output_tensor(name: str, value: torch.Tensor):
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
 
 
-def error_response(message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def error_response(message: str, code):
+    """An error response with status `code` (a `pb_utils.TritonError` code)."""
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
 def failure_response(model: str, action: str, err: Exception):
-    """The error response for a request that raised `err`: a RequestError's own message (the
-    client's mistake), else "<action> failed: ...", which is also logged."""
+    """The error response for a request that raised `err`, with a status the client can act on.
+
+    A RequestError is the client's mistake: its own message, INVALID_ARG. A
+    RequestCancelled: its message, CANCELLED. A ServerStopping: its message,
+    UNAVAILABLE (send it again elsewhere). Anything else is the model's failure:
+    "<action> failed: ...", INTERNAL, and logged.
+
+    Seen on Triton 2.51: INVALID_ARG reaches an HTTP /infer client as 400 and a gRPC
+    call as INVALID_ARGUMENT; INTERNAL as 500 and INTERNAL; UNAVAILABLE as 503 and
+    UNAVAILABLE; CANCELLED as CANCELLED over gRPC (400 over HTTP). An ensemble passes its step's code on. A gRPC stream's error
+    carries its message alone, unless the client opened the stream with the header
+    `triton_grpc_error: true` (a mode that crashed that server in our tests), and HTTP
+    generate_stream answers 400 to an error before the first response whatever its code.
+    """
+    if isinstance(err, RequestCancelled):
+        log("info", f"{model}: {err}")
+        return error_response(str(err), pb_utils.TritonError.CANCELLED)
     if isinstance(err, RequestError):
-        return error_response(str(err))
+        return error_response(str(err), pb_utils.TritonError.INVALID_ARG)
+    if isinstance(err, ServerStopping):
+        log("info", f"{model}: {err}")
+        return error_response(str(err), pb_utils.TritonError.UNAVAILABLE)
     log("error", f"{model}: {action} failed: {type(err).__name__}: {err}")
-    return error_response(f"{action} failed: {type(err).__name__}: {err}")
+    return error_response(f"{action} failed: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
 
 
 def instance_device(kind: str, device_id: str) -> torch.device:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from auk_triton.serving.requests import RequestError
+from auk_triton.serving.requests import RequestError, ServerStopping
 from auk_triton.serving.scheduler import Job, TileScheduler, pick_batch
 
 HOP = 4
@@ -293,5 +293,5 @@ def test_close_stops_what_is_left_after_the_drain_so_shutdown_stays_prompt(sched
     threading.Timer(0.5, lambda: [decoder.permits.release() for _ in range(20)]).start()
     scheduler.close(drain_s=0.2)
     assert time.monotonic() - began < 2.0
-    assert sink.ended.wait(5) and sink.ending == "cancelled"
+    assert sink.ended.wait(5) and isinstance(sink.ending, ServerStopping), sink.ending
     assert len(sink.tiles) < 10

@@ -1,0 +1,57 @@
+"""The one place a request's error is made: which status each kind of failure gets, in this
+process with a stand-in for the Triton stub (the served statuses are checked against a real
+server in test_bad_input.py and test_pipeline.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+from auk_triton.serving.requests import RequestCancelled, RequestError, ServerStopping
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = UNKNOWN):
+        self.message, self.code = message, code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors, error=None):
+        self.output_tensors, self.error = output_tensors, error
+
+
+@pytest.fixture
+def failure_response(monkeypatch):
+    backend = types.ModuleType("triton_python_backend_utils")
+    backend.TritonError, backend.InferenceResponse, backend.Logger = TritonError, InferenceResponse, None
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
+    monkeypatch.delitem(sys.modules, "auk_triton.serving.triton_io", raising=False)
+    yield importlib.import_module("auk_triton.serving.triton_io").failure_response
+    sys.modules.pop("auk_triton.serving.triton_io", None)
+
+
+def test_a_request_the_model_refuses_is_invalid_arg_with_its_own_message(failure_response):
+    error = failure_response("m", "decode", RequestError("LATENTS has zero frames")).error
+    assert (error.code, error.message) == (TritonError.INVALID_ARG, "LATENTS has zero frames")
+
+
+def test_a_request_whose_client_is_gone_is_cancelled(failure_response):
+    error = failure_response("m", "decode", RequestCancelled("request cancelled before its first tile")).error
+    assert (error.code, error.message) == (TritonError.CANCELLED, "request cancelled before its first tile")
+
+
+def test_a_request_the_model_cannot_finish_before_it_stops_is_unavailable(failure_response):
+    error = failure_response("m", "decode", ServerStopping("the model is shutting down")).error
+    assert (error.code, error.message) == (TritonError.UNAVAILABLE, "the model is shutting down")
+
+
+def test_any_other_failure_is_internal_naming_the_action_and_the_exception(failure_response, capsys):
+    error = failure_response("m", "decode", RuntimeError("CUDA error: out of memory")).error
+    assert error.code == TritonError.INTERNAL
+    assert error.message == "decode failed: RuntimeError: CUDA error: out of memory"
+    assert "m: decode failed: RuntimeError: CUDA error: out of memory" in capsys.readouterr().out
