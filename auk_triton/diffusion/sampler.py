@@ -3,7 +3,9 @@
 A request the sampler cannot run (a bad duration, grid, shape or value, past a
 frame limit) raises ValueError naming the problem, before any work: `plan()`
 makes every such check, so a server can validate a request with it and then
-`generate()` the plan.
+`generate()` the plan. `generate(plan, should_stop=...)` asks before any work and
+between Euler steps whether to go on, and raises SamplingStopped once told to stop
+(a server passes "has this request's client gone?").
 
 t = 0 is pure noise and the last grid point is the clean latent; the DiT's
 velocity points from noise towards data, so each step is
@@ -17,6 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -119,16 +122,26 @@ def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg: float) -> tor
     return v_cond + cfg * (v_cond - v_uncond)
 
 
-def euler_integrate(velocity, x: torch.Tensor, grid: torch.Tensor, cfg: float) -> torch.Tensor:
+class SamplingStopped(RuntimeError):
+    """`generate` stopped before its end because `should_stop` said so."""
+
+
+def euler_integrate(
+    velocity, x: torch.Tensor, grid: torch.Tensor, cfg: float, should_stop: Callable[[], bool] | None = None
+) -> torch.Tensor:
     """Explicit Euler over the grid. velocity(x, t) returns [cond; uncond] rows when guided.
 
     x is the fp32 accumulator. As in the reference revisions, the guidance combination
     and dt * v are formed in the velocity's dtype (bf16 under autocast) and then added
-    into fp32 x.
+    into fp32 x. `should_stop`, when given, is asked before every step but the first;
+    once it answers True, SamplingStopped names the step.
     """
     grid = grid.to(device=x.device, dtype=torch.float32)
     guided = cfg >= CFG_MIN
-    for i in range(grid.numel() - 1):
+    steps = grid.numel() - 1
+    for i in range(steps):
+        if i and should_stop is not None and should_stop():
+            raise SamplingStopped(f"before step {i + 1} of {steps}")
         v = velocity(x, grid[i])
         if guided:
             v_cond, v_uncond = v.chunk(2, dim=0)
@@ -269,9 +282,15 @@ class AuKDiTSampler:
         return Plan(text, ref, frames, schedule, req.seed)
 
     @torch.inference_mode()
-    def generate(self, req: "Request | Plan") -> torch.Tensor:
-        """Normalized latents [n, C] in fp32. The same request and seed give the same latents."""
+    def generate(self, req: "Request | Plan", should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Normalized latents [n, C] in fp32. The same request and seed give the same latents.
+
+        `should_stop`, when given, is asked before any work and between Euler steps; once
+        it answers True, generate raises SamplingStopped.
+        """
         plan = req if isinstance(req, Plan) else self.plan(req)
+        if should_stop is not None and should_stop():
+            raise SamplingStopped("before sampling")
         text, ref, frames, schedule = plan.text, plan.ref, plan.frames, plan.schedule
         device = self.device
         text = text.to(device=device, dtype=self.dtype)[None]
@@ -288,7 +307,7 @@ class AuKDiTSampler:
 
         graphed = None if self.graphs is None else self.graphs.velocity(ctx, noise.shape)
         velocity = eager if graphed is None else graphed
-        latents = euler_integrate(velocity, noise, schedule.grid, schedule.cfg).float()[0]
+        latents = euler_integrate(velocity, noise, schedule.grid, schedule.cfg, should_stop).float()[0]
         if not bool(torch.isfinite(latents).all()):
             raise RuntimeError("the DiT produced non-finite latents")
         return latents

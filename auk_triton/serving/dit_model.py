@@ -12,7 +12,8 @@ One response per request (not decoupled). Inputs, all without a batch axis:
 
 Output LATENTS FP32 [ceil(50 * GEN_SECONDS), 64]. A request that breaks a limit
 (duration, steps, MAX_LATENT_FRAMES, shapes, non-finite values) gets an error
-response of its own; the model keeps serving.
+response of its own (INVALID_ARG); the model keeps serving. A request whose client
+is gone stops before sampling or at the next Euler step (CANCELLED).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb_utils
 
-from auk_triton.diffusion import load_sampler
+from auk_triton.diffusion import SamplingStopped, load_sampler
 
 from .checkpoints import resolve_checkpoint
 from .config import DiTSettings
-from .requests import dit_plan
+from .requests import RequestCancelled, dit_plan
 from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -64,8 +65,13 @@ class TritonPythonModel:
         for request in requests:
             try:
                 plan = dit_plan(self.sampler, partial(input_array, request), self.settings.max_steps)
-                latents = self.sampler.generate(plan).to("cpu", torch.float32)
+                # Asked before sampling and between steps: one round trip each, next to
+                # steps that take milliseconds.
+                latents = self.sampler.generate(plan, should_stop=request.is_cancelled).to("cpu", torch.float32)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)]))
+            except SamplingStopped as stopped:
+                cancelled = RequestCancelled(f"request cancelled {stopped}")
+                responses.append(failure_response(self.name, "generation", cancelled))
             except Exception as err:
                 responses.append(failure_response(self.name, "generation", err))
         return responses

@@ -12,6 +12,7 @@ from auk_triton.diffusion.sampler import (
     MAX_LATENT_FRAMES,
     AuKDiTSampler,
     Request,
+    SamplingStopped,
     SchedulePolicy,
     cfg_combine,
     check_grid,
@@ -158,6 +159,28 @@ def test_one_forward_per_step_batch_two_when_guided(sampler, monkeypatch):
     batches.clear()
     sampler.generate(Request(_text(), 0.1, 0, num_steps=5, guidance=0.0, ref_latents=torch.randn(4, 64)))
     assert batches == [1] * 5
+
+
+def test_should_stop_is_asked_before_any_work_and_between_steps_and_stops_the_sampling(sampler, monkeypatch):
+    steps = []
+    step = sampler.model.step
+    monkeypatch.setattr(sampler.model, "step", lambda x, t, ctx: steps.append(float(t)) or step(x, t, ctx))
+    request = Request(_text(), 0.1, 0, num_steps=5, guidance=0.0)
+
+    asked = []
+    out = sampler.generate(request, should_stop=lambda: asked.append(len(steps)) or False)
+    assert asked == [0, 1, 2, 3, 4], "before sampling, then before each step after the first"
+    assert torch.equal(out, sampler.generate(request)), "asking changes nothing"
+
+    steps.clear()
+    with pytest.raises(SamplingStopped, match="before sampling"):
+        sampler.generate(request, should_stop=lambda: True)
+    assert steps == []
+
+    answers = iter([False, False, False, True])
+    with pytest.raises(SamplingStopped, match="before step 4 of 5"):
+        sampler.generate(request, should_stop=lambda: next(answers))
+    assert len(steps) == 3
 
 
 def test_reference_latents_edit_mode(sampler):

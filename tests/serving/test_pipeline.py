@@ -36,8 +36,8 @@ def pipeline_server(tmp_path_factory, small_checkpoint):
     for model in DIT_MODELS:
         shutil.copytree(REPO_ROOT / "model_repository" / model, repository / model,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    # A stream request that Triton itself rejects (wrong shape) keeps its model "live" for
-    # the whole exit timeout at shutdown (Triton 2.51): do not wait the default 30 s.
+    # A gRPC stream left open after its requests keeps its model "live" for the whole exit
+    # timeout at shutdown (Triton 2.51): do not wait the default 30 s.
     server = start_triton(workdir, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
     yield server
     server.stop()
@@ -139,6 +139,154 @@ def test_missing_inputs_are_refused(pipeline_server):
     try:
         with pytest.raises(Exception, match="SEED"):
             client.infer("auk_dit", [i for i in inputs if i.name() != "SEED"])
+    finally:
+        client.close()
+
+
+# What a client gets for a mistake of its own and for a failure of the model, per protocol.
+INVALID = {"grpc": "StatusCode.INVALID_ARGUMENT", "http": "400"}
+INTERNAL = {"grpc": "StatusCode.INTERNAL", "http": "500"}
+# Prompt embeddings at the float32 limit pass every request check (they are finite) and
+# overflow the DiT's attention: the sampler's own check of its output fails the generation.
+OVERFLOWING_EMBEDS = np.full((2, 2048), 3e38, np.float32)
+OVERFLOW_FAILURE = "generation failed: RuntimeError: the DiT produced non-finite latents"
+
+
+def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=None, sway=None, ref_latents=None):
+    """auk_dit's (and auk_pipeline's) inputs as `module` (tritonclient.grpc or .http) builds them."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    arrays = {
+        "PROMPT_EMBEDS": prompt_embeds,
+        "GEN_SECONDS": np.array([seconds], np.float32),
+        "SEED": np.array([seed], np.int64),
+        "NUM_STEPS": None if num_steps is None else np.array([num_steps], np.int32),
+        "GUIDANCE": None if guidance is None else np.array([guidance], np.float32),
+        "SWAY": None if sway is None else np.array([sway], np.float32),
+        "REF_LATENTS": ref_latents,
+    }
+    inputs = []
+    for name, array in arrays.items():
+        if array is not None:
+            inputs.append(module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+@pytest.fixture(params=["grpc", "http"])
+def dit_client(request, pipeline_server):
+    """(protocol, tritonclient module, client) for the pipeline server."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    if request.param == "grpc":
+        module, client = grpcclient, grpcclient.InferenceServerClient(pipeline_server.grpc_url)
+    else:
+        module, client = httpclient, httpclient.InferenceServerClient(pipeline_server.http_url, network_timeout=120)
+    yield request.param, module, client
+    client.close()
+
+
+def dit_base():
+    return dict(prompt_embeds=random_prompt_embeds(2, seed=3), seconds=0.2, seed=0, num_steps=2)
+
+
+@pytest.mark.parametrize("change, message", BAD_REQUESTS, ids=[str(change) for change, _ in BAD_REQUESTS])
+def test_a_bad_dit_request_is_a_client_error_naming_the_problem(dit_client, change, message):
+    import re
+
+    from tritonclient.utils import InferenceServerException
+
+    protocol, module, client = dit_client
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("auk_dit", dit_inputs(module, **{**dit_base(), **change}))
+    assert caught.value.status() == INVALID[protocol], caught.value
+    assert re.search(message, caught.value.message()), caught.value.message()
+
+
+def test_a_dit_generation_that_fails_is_an_internal_error_and_the_model_keeps_serving(dit_client):
+    from tritonclient.utils import InferenceServerException
+
+    protocol, module, client = dit_client
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("auk_dit", dit_inputs(module, **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS}))
+    assert caught.value.status() == INTERNAL[protocol], caught.value
+    assert OVERFLOW_FAILURE in caught.value.message()
+    assert client.infer("auk_dit", dit_inputs(module, **dit_base())).as_numpy("LATENTS").shape == (10, 64)
+
+
+def pipeline_stream_error(url: str, **request) -> str:
+    """The error an auk_pipeline gRPC stream ends with: its message (a stream's error carries no
+    status; see test_bad_input.py)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    events = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: events.put(error))
+        client.async_stream_infer("auk_pipeline", dit_inputs(grpcclient, **request))
+        error = events.get(timeout=120)
+        client.stop_stream()
+    finally:
+        client.close()
+    assert error is not None, "the pipeline sent a tile"
+    return error.message()
+
+
+def pipeline_over_http(url: str, **request) -> tuple[int, str]:
+    """(status, body) of auk_pipeline over HTTP generate_stream (flat arrays, scalars as numbers)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"PROMPT_EMBEDS": request["prompt_embeds"].reshape(-1).tolist(), "GEN_SECONDS": request["seconds"],
+            "SEED": request["seed"], "NUM_STEPS": request["num_steps"]}
+    post = urllib.request.Request(f"http://{url}/v2/models/auk_pipeline/generate_stream", json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(post, timeout=120) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_a_bad_request_through_the_pipeline_is_a_400_naming_the_problem_and_a_failing_one_names_the_failure(
+    pipeline_server,
+):
+    refused = {**dit_base(), "num_steps": 5000}
+    status, body = pipeline_over_http(pipeline_server.http_url, **refused)
+    assert status == 400 and "max_steps" in body, (status, body)
+    message = pipeline_stream_error(pipeline_server.grpc_url, **refused)
+    assert "max_steps" in message and "failed" not in message, message
+    message = pipeline_stream_error(pipeline_server.grpc_url, **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS})
+    assert OVERFLOW_FAILURE in message, message
+
+
+def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(
+    pipeline_server,
+):
+    import re
+    import time
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    steps = 200  # about 10 s of sampling for 20 s of audio on the CPU
+    client = grpcclient.InferenceServerClient(pipeline_server.grpc_url)
+    try:
+        log_before = len(pipeline_server.log())
+        long = dit_inputs(grpcclient, random_prompt_embeds(4, seed=5), 20.0, 0, num_steps=steps)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("auk_dit", long, client_timeout=1.0)
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        deadline = time.monotonic() + 60
+        while not (stopped := re.search(r"auk_dit: request cancelled before step (\d+) of (\d+)",
+                                        pipeline_server.log()[log_before:])):
+            assert time.monotonic() < deadline, "the model never stopped the abandoned request"
+            time.sleep(0.1)
+        assert int(stopped.group(2)) == steps and int(stopped.group(1)) < steps / 2, stopped.group(0)
+        assert client.infer("auk_dit", dit_inputs(grpcclient, **dit_base())).as_numpy("LATENTS").shape == (10, 64)
     finally:
         client.close()
 
