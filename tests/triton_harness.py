@@ -147,7 +147,7 @@ def start_triton(
                 "--http-address=127.0.0.1",
                 "--grpc-address=127.0.0.1",
                 "--metrics-address=127.0.0.1",
-                # A stream that Triton refused keeps its model live until the exit timeout.
+                # A gRPC stream left open after its requests keeps its model live until the exit timeout.
                 "--exit-timeout-secs=5",
                 *extra_args,
             ],

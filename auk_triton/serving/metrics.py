@@ -25,11 +25,12 @@ class DecodeMetrics:
     So `record` only adds to sums in this process, and a reporter thread sends
     them REPORT_DELAY_S after a request ends (on a GPU, the next request is
     decoding by then), each counter once however many tiles and requests it
-    covers. The counters trail the responses by about that much; `close` sends
-    what is left.
+    covers. The counters trail the responses by about that much; `close` has the
+    reporter send what is left, waiting for it a bounded time.
     """
 
     REPORT_DELAY_S = 0.005
+    CLOSE_TIMEOUT_S = 2.0
 
     def __init__(self, labels: dict[str, str]):
         self._families = []
@@ -136,14 +137,17 @@ class DecodeMetrics:
         self._wake.set()
 
     def _report_until_closed(self) -> None:
-        # `_closing` is checked after every report too: `_report` clears `_wake`, so a
-        # `close` during the delay would otherwise leave this thread waiting forever.
-        while not self._closing:
+        # `_report` clears `_wake`, so a `close` that lands during the delay or a report is
+        # seen through `_closing`, checked after every report; the last report runs here,
+        # on this thread, so that `close` can bound its wait.
+        while True:
             self._wake.wait()
-            if self._closing:
-                return
-            time.sleep(self.REPORT_DELAY_S)  # let the response reach its client first
+            if not self._closing:
+                time.sleep(self.REPORT_DELAY_S)  # let the response reach its client first
             self._report()
+            if self._closing:
+                self._report()  # anything recorded while the last report ran
+                return
 
     def _report(self) -> None:
         with self._lock:
@@ -171,11 +175,14 @@ class DecodeMetrics:
             log("warn", f"could not update the model's metrics: {err}")
 
     def close(self) -> None:
-        """Stop the reporter and send what it has not."""
+        """Stop the reporter once it has sent what is left, waiting for it CLOSE_TIMEOUT_S at
+        most: a reporter stuck in a round trip to a server that is going away is left
+        behind (a daemon thread), since `finalize` must not wait on it."""
         if self._reporter is None:
             return
         self._closing = True
         self._wake.set()
-        self._reporter.join()
+        self._reporter.join(self.CLOSE_TIMEOUT_S)
+        if self._reporter.is_alive():
+            log("warn", "the metrics reporter did not finish its last report in time; the model stops without it")
         self._reporter = None
-        self._report()

@@ -85,3 +85,29 @@ def test_a_scheduler_iteration_reports_its_windows_first_audio_active_requests_a
     assert total("auk_vae_first_audio_seconds") == pytest.approx(0.03)
     assert total("auk_vae_active_requests") == 1, "the gauge holds the latest count"
     assert total("auk_vae_underruns_total") == 1
+
+
+def test_close_returns_within_its_bound_when_a_report_hangs(metrics_class, monkeypatch):
+    """A report is a round trip to a server that may be going away: finalize must not wait on it."""
+    hung = threading.Event()
+
+    class HangingFamily(RecordingFamily):
+        def Metric(self, labels: dict, buckets=None):
+            metric = super().Metric(labels, buckets)
+
+            def increment(amount):
+                hung.set()
+                threading.Event().wait(10)
+
+            metric.increment = increment
+            return metric
+
+    backend = sys.modules["triton_python_backend_utils"]
+    monkeypatch.setattr(backend, "MetricFamily", HangingFamily)
+    monkeypatch.setattr(metrics_class, "CLOSE_TIMEOUT_S", 0.3)
+    metrics = metrics_class({"model": "m", "version": "1"})
+    metrics.record([("compiled", 0.01, 2.0)], 0.001, types.SimpleNamespace(captures=0, generations_retired=0))
+    assert hung.wait(5), "the reporter never reported"
+    began = time.monotonic()
+    metrics.close()
+    assert time.monotonic() - began < 2.0
