@@ -26,6 +26,7 @@ from auk_triton.codec import DEFAULT_COMPILE_SHAPES, ActivationKernel, AuKVAE, A
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+from auk_triton.serving.config import GPU_DECODE_PRECISION
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -66,12 +67,16 @@ def synthetic_checkpoint(directory: Path | str | None = None, preset: str = "auk
     return path
 
 
-def served_decoder_options(device: str) -> dict:
+def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:
     """`AuKVAE.configure_decoder`'s options as the decode models use them by default: on a GPU
-    the fused activation kernel with its default launch and channels-last signals."""
+    the fused activation kernel with its default launch, channels-last signals and the
+    default precision (`precision`: fp16 or tf32). For fp16 it also turns on
+    cudnn.benchmark, as the models do."""
     if device != "cuda":
         return {}
-    return {"activation_kernel": ActivationKernel(), "channels_last": True}
+    torch.backends.cudnn.benchmark = precision == "fp16"
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    return {"activation_kernel": ActivationKernel(), "channels_last": True, "dtype": dtype}
 
 
 def latents(frames: int, device: str = "cpu", seed: int = SEED) -> torch.Tensor:

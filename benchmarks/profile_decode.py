@@ -19,6 +19,7 @@ sums, layer by layer, the larger of a layer's compute and memory time.
 
 import argparse
 import collections
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -54,16 +55,21 @@ class Variant:
     polyphase: bool = True
     cudnn_benchmark: bool = False
     cudnn_benchmark_limit: int | None = None
+    dtype: torch.dtype = torch.float32
 
-    def apply(self, vae: AuKVAE) -> None:
+    def apply(self, vae: AuKVAE) -> AuKVAE:
+        """`vae` configured as this variant; a copy of it for fp16, which rounds the weights for good."""
+        if self.dtype != torch.float32:
+            vae = copy.deepcopy(vae)
         kernel = None
         if self.fused:
             kernel = ActivationKernel() if self.sine is None else ActivationKernel(sine=self.sine)
         vae.configure_decoder(activation_kernel=kernel, channels_last=self.channels_last,
-                              fold_below=self.fold[0], fold_to=self.fold[1])
+                              fold_below=self.fold[0], fold_to=self.fold[1], dtype=self.dtype)
         if not self.polyphase:
             for up in vae.ups:
                 up[0].drop_polyphase()
+        return vae
 
     def __enter__(self):
         cudnn = torch.backends.cudnn
@@ -96,6 +102,10 @@ VARIANTS = {
     12: Variant("the same, folded to 96 channels", fused=True, channels_last=True, fold=(96, 96)),
     13: Variant("the same, under 192 channels folded to 192 (stage 3 too)", fused=True, channels_last=True,
                 fold=(192, 192)),
+    14: Variant("the default in fp16 (fp16 weights and signals, fp32 accumulation and activations)",
+                fused=True, channels_last=True, dtype=torch.float16),
+    15: Variant("the same in fp16 + cudnn.benchmark", fused=True, channels_last=True, dtype=torch.float16,
+                cudnn_benchmark=True),
 }
 
 
@@ -194,19 +204,19 @@ def layer_costs(vae: AuKVAE, clip) -> list[tuple[float, float]]:
     A convolution reads its input and weights and writes its output; a fused
     activation reads and writes one signal; an AMP block's three residual adds
     read two signals and write one, and adding the block into its stage's sum
-    reads one more.
+    reads one more. Bytes are counted at each tensor's own element size (fp16 or fp32).
     """
     costs, handles = [], []
 
     def hook(module, args, out):
         x = args[0]
         if isinstance(module, AMPBlock):
-            costs.append((0.0, (3 * 12 + 4) * x.numel()))
+            costs.append((0.0, (3 * 3 + 1) * x.element_size() * x.numel()))
             return
-        nbytes = 4 * (x.numel() + out.numel())
+        nbytes = x.element_size() * x.numel() + out.element_size() * out.numel()
         flops = 0.0
         if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-            nbytes += 4 * module.weight.numel()
+            nbytes += module.weight.element_size() * module.weight.numel()
             length = x.shape[-1] if isinstance(module, CausalConvTranspose1d) else out.shape[-1]
             flops = 2.0 * module.in_channels * module.out_channels * module.kernel_size[0] * length
         costs.append((flops, float(nbytes)))
@@ -222,13 +232,14 @@ def layer_costs(vae: AuKVAE, clip) -> list[tuple[float, float]]:
     return costs
 
 
-def matrix_rate() -> float:
-    """TF32 matmul FLOP/s on 8192^3, the rate the dense convolutions could at best reach."""
+def matrix_rate(dtype: torch.dtype = torch.float32) -> float:
+    """Matmul FLOP/s on 8192^3 (TF32 for float32; fp16 with fp32 accumulation for float16), the rate
+    the dense convolutions could at best reach."""
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        a = torch.randn(8192, 8192, device="cuda")
-        b = torch.randn(8192, 8192, device="cuda")
+        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
         ms = median_ms(lambda: a @ b, iters=10)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
@@ -236,19 +247,23 @@ def matrix_rate() -> float:
 
 
 def roofline(vae: AuKVAE, clip, measured: dict) -> None:
+    """The floor of `vae`'s decode at its own precision, and each `measured` decode of that precision against it."""
     costs = layer_costs(vae, clip)
-    rate, bandwidth = matrix_rate(), copy_bandwidth()
+    dtype = vae.decoder_dtype
+    rate, bandwidth = matrix_rate(dtype), copy_bandwidth()
     flops = sum(f for f, _ in costs)
     nbytes = sum(b for _, b in costs)
     floor_ms = sum(max(f / rate, b / bandwidth) for f, b in costs) * 1e3
-    say(f"\n## Roofline, {clip.shape[1]} frames\n")
-    say(f"Measured in this run: TF32 matmul {rate / 1e12:.0f} TFLOP/s (8192^3), "
+    kind = "fp16" if dtype == torch.float16 else "TF32"
+    say(f"\n## Roofline, {clip.shape[1]} frames, {kind}\n")
+    say(f"Measured in this run: {kind} matmul {rate / 1e12:.0f} TFLOP/s (8192^3), "
         f"device copy {bandwidth / 1e9:.0f} GB/s (read + write).")
     say(f"Dense convolution FLOPs {flops / 1e12:.3f} TFLOP -> {flops / rate * 1e3:.2f} ms at that rate; "
         f"fewest bytes moved layer by layer {nbytes / 1e9:.2f} GB -> {nbytes / bandwidth * 1e3:.2f} ms; "
         f"floor (per layer the larger of the two, summed) {floor_ms:.2f} ms.")
     for name, ms in measured.items():
-        say(f"- {name}: {ms:.2f} ms, {ms / floor_ms:.1f}x the floor")
+        if ("fp16" in name) == (dtype == torch.float16):
+            say(f"- {name}: {ms:.2f} ms, {ms / floor_ms:.1f}x the floor")
 
 
 def report_compiled_kernels(by_kernel, count, top: int = 12) -> None:
@@ -299,14 +314,14 @@ def main() -> None:
     for number in args.plain_variants:
         variant = VARIANTS[number]
         with variant:
-            variant.apply(vae)
-            graph = AuKVAEDecodeGraph(vae, compile_shapes=())
+            configured = variant.apply(vae)
+            graph = AuKVAEDecodeGraph(configured, compile_shapes=())
             err = rel_l2(graph(clip), reference)
             ms = median_ms(lambda: graph(clip), args.iters)
             measured[f"plain graph, {variant.name}"] = ms
             say(f"\n### [{number}] {variant.name}: {ms:.2f} ms per plain-graph decode (rel. L2 vs default eager {err:.1e})")
-            report_profile(*profile_by_layer(vae, vae.decode, clip))
-            graph = None
+            report_profile(*profile_by_layer(configured, configured.decode, clip))
+            graph = configured = None
 
     if args.compiled:
         say("\n## Compiled bucket (Inductor + CUDA graph) per variant\n")
@@ -314,9 +329,9 @@ def main() -> None:
             variant = VARIANTS[number]
             torch._dynamo.reset()
             with variant:
-                variant.apply(vae)
+                configured = variant.apply(vae)
                 began = time.perf_counter()
-                graph = AuKVAEDecodeGraph(vae, compile_shapes=(args.frames,))
+                graph = AuKVAEDecodeGraph(configured, compile_shapes=(args.frames,))
                 graph.warmup("cuda")
                 build = time.perf_counter() - began
                 err = rel_l2(graph(clip), reference)
@@ -326,11 +341,11 @@ def main() -> None:
                     f"(rel. L2 vs eager {err:.1e})")
                 say(f"Compile phases so far (cumulative): {compile_time_breakdown()}")
                 # The bucket's compiled decode, run outside its graph so the profiler sees each kernel.
-                _, by_kernel, count = profile_by_layer(vae, graph._compiled_decode, clip)
+                _, by_kernel, count = profile_by_layer(configured, graph._compiled_decode, clip)
                 report_compiled_kernels(by_kernel, count)
-                graph = None
-    VARIANTS[1].apply(vae)
-    roofline(vae, clip, measured)
+                graph = configured = None
+    roofline(VARIANTS[1].apply(vae), clip, measured)
+    roofline(VARIANTS[14].apply(vae), clip, measured)
 
 
 if __name__ == "__main__":

@@ -94,21 +94,27 @@ def closed_port() -> int:
     return _free_ports(1)[0]
 
 
-def copy_model_repository(dest: Path, tile_frames: int | None = TEST_TILE_FRAMES, models=DECODE_MODELS) -> Path:
-    """Copy the decode `models` of model_repository/ to `dest`, with `tile_frames` set."""
+def copy_model_repository(
+    dest: Path, tile_frames: int | None = TEST_TILE_FRAMES, models=DECODE_MODELS, precision: str | None = "fp16"
+) -> Path:
+    """Copy the `models` of model_repository/ to `dest`, with `tile_frames` and `precision` set in
+    the decode models' CPU configs (config.pbtxt). fp16 by default: a CPU decodes in fp32 anyway
+    (and logs that it does), so the served tests that compare with the library's fp32 decode
+    check that fallback too."""
     source = REPO_ROOT / "model_repository"
     dest.mkdir(parents=True)
     for model in models:
         shutil.copytree(source / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
-        if tile_frames is not None:
-            config = dest / model / "config.pbtxt"
-            text, count = re.subn(
-                r'(key: "tile_frames", value: \{ string_value: )"[^"]*"',
-                rf'\1"{tile_frames}"',
-                config.read_text(),
-            )
-            assert count == 1, f"no tile_frames parameter in {config}"
-            config.write_text(text)
+        if model not in DECODE_MODELS:
+            continue
+        config = dest / model / "config.pbtxt"
+        for name, value in (("tile_frames", tile_frames), ("precision", precision)):
+            if value is not None:
+                text, count = re.subn(
+                    rf'(key: "{name}", value: \{{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text()
+                )
+                assert count == 1, f"no {name} parameter in {config}"
+                config.write_text(text)
     return dest
 
 

@@ -158,19 +158,29 @@ class Activation1d(nn.Module):
         # The fused kernel's settings (AuKVAE.configure_decoder), or None for the eager ops.
         self.kernel: ActivationKernel | None = None
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """act(x), or act(x + bias) with a per-channel `bias` (the preceding conv's)."""
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """act(x), or act(x + bias) with a per-channel `bias` (the preceding conv's), stored as
+        `out_dtype` (default: x's dtype)."""
         if self.kernel is not None and x.is_cuda:
             from .activation_kernel import fused_activation
 
-            return fused_activation(x, self, bias=bias, kernel=self.kernel)
-        return self.eager(x, bias)
+            return fused_activation(x, self, bias=bias, kernel=self.kernel, out_dtype=out_dtype)
+        return self.eager(x, bias, out_dtype)
 
-    def eager(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The reference: three depthwise ops, whatever the device."""
+    def eager(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The reference: three depthwise ops, whatever the device. They compute in at least
+        float32 (an fp16 signal is widened first, as the fused kernel widens its loads), and
+        the result is rounded once to `out_dtype` (default: x's dtype)."""
+        out_dtype = out_dtype or x.dtype
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         if bias is not None:
-            x = x + bias.view(1, -1, 1)
-        return self.downsample(self.act(self.upsample(x)))
+            x = x + bias.to(x.dtype).view(1, -1, 1)
+        y = self.downsample(self.act(self.upsample(x)))
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
     def context_samples(causal: bool) -> tuple[float, float]:

@@ -26,6 +26,11 @@ can be added to x as it is loaded (`bias`: the AMP block's convs1 leaves its bia
 to the activation after it), the same fp32 add eager does, without a biased copy
 of the signal in memory.
 
+An fp16 signal (the decoder in fp16) is widened to fp32 as it is loaded, and so is
+an fp16 bias; everything above is computed in fp32 as for an fp32 signal, and the
+store rounds once to the output's dtype (fp16, or fp32 where the next layer wants
+it). The oversampled signal never leaves registers, so it is never rounded to fp16.
+
 Two kernels, one per signal layout. Channels-first rows go to a time-tiled
 kernel: a program owns BLOCK - 8 outputs of one row, lane p holds
 A[p] = E[t0+p-5] and B[p] = O[t0+p-6], and the low-pass is five lane shifts
@@ -57,6 +62,9 @@ from .activation import FILTER_TAPS, SINE_METHODS, ActivationKernel, is_channels
 
 # Output samples per program = BLOCK - HALO_LANES; lanes past that only feed the shifts.
 HALO_LANES = 8
+# Signal and bias dtypes the kernels read and write; the arithmetic is float32 either way.
+SIGNAL_DTYPES = (torch.float32, torch.float16)
+
 def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None) if knobs is not None else None
@@ -219,23 +227,23 @@ def _fused_activation_kernel(
     if (t0 >= 8) & (t0 + BLOCK <= L):
         # Tile interior: every index qa - 3 .. qa + 2 lies in [0, L), no clamping.
         xs = x_row + qa * stride_xl
-        xm3 = tl.load(xs - 3 * stride_xl)
-        xm2 = tl.load(xs - 2 * stride_xl)
-        xm1 = tl.load(xs - stride_xl)
-        x0 = tl.load(xs)
-        xp1 = tl.load(xs + stride_xl)
-        xp2 = tl.load(xs + 2 * stride_xl)
+        xm3 = tl.load(xs - 3 * stride_xl).to(tl.float32)
+        xm2 = tl.load(xs - 2 * stride_xl).to(tl.float32)
+        xm1 = tl.load(xs - stride_xl).to(tl.float32)
+        x0 = tl.load(xs).to(tl.float32)
+        xp1 = tl.load(xs + stride_xl).to(tl.float32)
+        xp2 = tl.load(xs + 2 * stride_xl).to(tl.float32)
     else:
         qc = tl.minimum(tl.maximum(qa, 0), L)
-        xm3 = tl.load(x_row + tl.minimum(tl.maximum(qc - 3, 0), last) * stride_xl)
-        xm2 = tl.load(x_row + tl.minimum(tl.maximum(qc - 2, 0), last) * stride_xl)
-        xm1 = tl.load(x_row + tl.minimum(tl.maximum(qc - 1, 0), last) * stride_xl)
-        x0 = tl.load(x_row + tl.minimum(qc, last) * stride_xl)
-        xp1 = tl.load(x_row + tl.minimum(qc + 1, last) * stride_xl)
-        xp2 = tl.load(x_row + tl.minimum(qc + 2, last) * stride_xl)
+        xm3 = tl.load(x_row + tl.minimum(tl.maximum(qc - 3, 0), last) * stride_xl).to(tl.float32)
+        xm2 = tl.load(x_row + tl.minimum(tl.maximum(qc - 2, 0), last) * stride_xl).to(tl.float32)
+        xm1 = tl.load(x_row + tl.minimum(tl.maximum(qc - 1, 0), last) * stride_xl).to(tl.float32)
+        x0 = tl.load(x_row + tl.minimum(qc, last) * stride_xl).to(tl.float32)
+        xp1 = tl.load(x_row + tl.minimum(qc + 1, last) * stride_xl).to(tl.float32)
+        xp2 = tl.load(x_row + tl.minimum(qc + 2, last) * stride_xl).to(tl.float32)
     if HAS_BIAS:
         # The preceding convolution's bias, added to every sample as eager adds it.
-        bias = tl.load(bias_ptr + c)
+        bias = tl.load(bias_ptr + c).to(tl.float32)
         xm3 += bias
         xm2 += bias
         xm1 += bias
@@ -300,7 +308,7 @@ def _fused_activation_channels_last_kernel(
     y_row = y_ptr + b.to(tl.int64) * stride_yb + c.to(tl.int64) * stride_yc
     alpha, inv_beta = _snake_params(alpha_ptr, beta_ptr, c, LOGSCALE, PRECISE)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + c)
+        bias = tl.load(bias_ptr + c).to(tl.float32)
     else:
         bias = 0.0
     last = L - 1
@@ -309,17 +317,17 @@ def _fused_activation_channels_last_kernel(
     g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11 = _lowpass_taps(down_ptr)
 
     # The activated signal's replicate padding: s[negative] = E[0], and (centred) s[past 2L-1] = O[L-1].
-    x_first = tl.load(x_row, mask=live, other=0.0) + bias
-    x_1 = tl.load(x_row + tl.minimum(1, last) * stride_xl, mask=live, other=0.0) + bias
-    x_2 = tl.load(x_row + tl.minimum(2, last) * stride_xl, mask=live, other=0.0) + bias
+    x_first = tl.load(x_row, mask=live, other=0.0).to(tl.float32) + bias
+    x_1 = tl.load(x_row + tl.minimum(1, last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+    x_2 = tl.load(x_row + tl.minimum(2, last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
     e_first = _snake(
         f1 * x_2 + f3 * x_1 + f5 * x_first + f7 * x_first + f9 * x_first + f11 * x_first,
         alpha, inv_beta, SINE, PRECISE,
     )
     if not CAUSAL:
-        x_last = tl.load(x_row + last * stride_xl, mask=live, other=0.0) + bias
-        x_l1 = tl.load(x_row + tl.maximum(last - 1, 0) * stride_xl, mask=live, other=0.0) + bias
-        x_l2 = tl.load(x_row + tl.maximum(last - 2, 0) * stride_xl, mask=live, other=0.0) + bias
+        x_last = tl.load(x_row + last * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        x_l1 = tl.load(x_row + tl.maximum(last - 1, 0) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        x_l2 = tl.load(x_row + tl.maximum(last - 2, 0) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
         o_last = _snake(
             f0 * x_last + f2 * x_last + f4 * x_last + f6 * x_last + f8 * x_l1 + f10 * x_l2,
             alpha, inv_beta, SINE, PRECISE,
@@ -361,22 +369,22 @@ def _slide(
     the caller guarantees that all lanes are live and every index is inside the row.
     """
     if EDGES:
-        xm3 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 3, 0), last) * stride_xl, mask=live, other=0.0) + bias
-        xm2 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 2, 0), last) * stride_xl, mask=live, other=0.0) + bias
-        xm1 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 1, 0), last) * stride_xl, mask=live, other=0.0) + bias
-        x0 = tl.load(x_row + tl.minimum(tl.maximum(q0, 0), last) * stride_xl, mask=live, other=0.0) + bias
-        xp1 = tl.load(x_row + tl.minimum(tl.maximum(q0 + 1, 0), last) * stride_xl, mask=live, other=0.0) + bias
+        xm3 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 3, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        xm2 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 2, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        xm1 = tl.load(x_row + tl.minimum(tl.maximum(q0 - 1, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        x0 = tl.load(x_row + tl.minimum(tl.maximum(q0, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
+        xp1 = tl.load(x_row + tl.minimum(tl.maximum(q0 + 1, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
     else:
         x_at = x_row + (q0 - 3) * stride_xl
-        xm3 = tl.load(x_at) + bias
+        xm3 = tl.load(x_at).to(tl.float32) + bias
         x_at += stride_xl
-        xm2 = tl.load(x_at) + bias
+        xm2 = tl.load(x_at).to(tl.float32) + bias
         x_at += stride_xl
-        xm1 = tl.load(x_at) + bias
+        xm1 = tl.load(x_at).to(tl.float32) + bias
         x_at += stride_xl
-        x0 = tl.load(x_at) + bias
+        x0 = tl.load(x_at).to(tl.float32) + bias
         x_at += stride_xl
-        xp1 = tl.load(x_at) + bias
+        xp1 = tl.load(x_at).to(tl.float32) + bias
         y_at = y_row + t0 * stride_yl
     # The history before the first step is never emitted; any value will do.
     a0 = e_first
@@ -392,10 +400,10 @@ def _slide(
     for step in tl.static_range(CHUNK + 5):
         q = q0 + step
         if EDGES:
-            xp2 = tl.load(x_row + tl.minimum(tl.maximum(q + 2, 0), last) * stride_xl, mask=live, other=0.0) + bias
+            xp2 = tl.load(x_row + tl.minimum(tl.maximum(q + 2, 0), last) * stride_xl, mask=live, other=0.0).to(tl.float32) + bias
         else:
             x_at += stride_xl
-            xp2 = tl.load(x_at) + bias
+            xp2 = tl.load(x_at).to(tl.float32) + bias
         a5 = _snake(f1 * xp2 + f3 * xp1 + f5 * x0 + f7 * xm1 + f9 * xm2 + f11 * xm3, alpha, inv_beta, SINE, PRECISE)
         b5 = _snake(f0 * xp2 + f2 * xp1 + f4 * x0 + f6 * xm1 + f8 * xm2 + f10 * xm3, alpha, inv_beta, SINE, PRECISE)
         if EDGES:
@@ -457,16 +465,18 @@ def layout_strides(x: torch.Tensor) -> tuple[int, int, int]:
     return (channels * length, length, 1)
 
 
-def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
-    """A new float32 tensor of x's shape and `layout_strides(x)`."""
-    return torch.empty_strided(tuple(x.shape), layout_strides(x), device=x.device, dtype=torch.float32)
+def empty_like_layout(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new tensor of x's shape and `layout_strides(x)`."""
+    return torch.empty_strided(tuple(x.shape), layout_strides(x), device=x.device, dtype=dtype)
 
 
 def _launch(
     y: torch.Tensor, x: torch.Tensor, bias, alpha, beta, up_filter, down_filter, logscale: bool, causal: bool,
     kernel: ActivationKernel,
 ):
-    """Write act(x + bias) into y (float32, x's shape, contiguous or channels-last); `bias` may be None.
+    """Write act(x + bias) into y (x's shape, contiguous or channels-last, float32 or float16); `bias`
+    may be None. Loads are widened to float32 and all arithmetic is float32; the store rounds
+    once to y's dtype.
 
     A channels-last x runs the sliding kernel (lanes across channels), any other
     layout the tiled kernel (lanes along time).
@@ -513,19 +523,21 @@ def fused_activation_op(
     chunk: int,
     channels_last_warps: int,
     sine: str,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Anti-aliased SnakeBeta of x + bias (x [B, C, L] float32, any strides; bias [C] or None)
-    -> a new [B, C, L], channels-last where x is, else contiguous. The last six arguments
-    are an ActivationKernel's fields (a custom op takes no dataclass)."""
-    y = empty_like_layout(x)
+    """Anti-aliased SnakeBeta of x + bias (x [B, C, L] float32 or float16, any strides; bias [C]
+    or None) -> a new [B, C, L] of `out_dtype`, channels-last where x is, else contiguous.
+    The six arguments before `out_dtype` are an ActivationKernel's fields (a custom op takes
+    no dataclass)."""
+    y = empty_like_layout(x, out_dtype)
     kernel = ActivationKernel(block, num_warps, lanes, chunk, channels_last_warps, sine)
     _launch(y, x, bias, alpha, beta, up_filter, down_filter, logscale, causal, kernel)
     return y
 
 
 @fused_activation_op.register_fake
-def _(x, bias, alpha, beta, up_filter, down_filter, logscale, causal, *kernel_fields):
-    return empty_like_layout(x)
+def _(x, bias, alpha, beta, up_filter, down_filter, logscale, causal, *kernel_fields_and_dtype):
+    return empty_like_layout(x, kernel_fields_and_dtype[-1])
 
 
 def supports(x: torch.Tensor, act, bias: torch.Tensor | None = None) -> bool:
@@ -534,15 +546,16 @@ def supports(x: torch.Tensor, act, bias: torch.Tensor | None = None) -> bool:
     return (
         x.dim() == 3
         and (x.is_cuda or _interpreting())
-        and x.dtype == torch.float32
+        and x.dtype in SIGNAL_DTYPES
         and x.shape[1] == act.act.alpha.numel() == act.act.beta.numel()
         and act.act.alpha.device == x.device
+        and act.act.alpha.dtype == act.act.beta.dtype == up.dtype == down.dtype == torch.float32
         and up.numel() == FILTER_TAPS
         and down.numel() == FILTER_TAPS
         and max(x.shape[2], 1) * max(abs(x.stride(2)), 1) < 2**31
         and (
             bias is None
-            or (bias.shape == (x.shape[1],) and bias.dtype == torch.float32 and bias.is_contiguous()
+            or (bias.shape == (x.shape[1],) and bias.dtype in SIGNAL_DTYPES and bias.is_contiguous()
                 and bias.device == x.device)
         )
     )
@@ -554,15 +567,17 @@ def fused_activation(
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     kernel: ActivationKernel = ActivationKernel(),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`act(x + bias)` for an `Activation1d` `act`, in one Triton kernel (the eager module where
-    unsupported). `bias`, per channel, is optional.
+    unsupported), stored as `out_dtype` (default: x's dtype). `bias`, per channel, is optional.
 
-    `out`, a float32 tensor of x's shape and `layout_strides(x)`, receives the result
-    directly (a plain launch, not the op: for tests that poison the output first).
+    `out`, a tensor of x's shape and `layout_strides(x)`, receives the result directly in
+    its own dtype (a plain launch, not the op: for tests that poison the output first).
     """
-    if not supports(x, act, bias):
-        result = act.eager(x, bias)
+    out_dtype = out.dtype if out is not None else (out_dtype or x.dtype)
+    if not supports(x, act, bias) or out_dtype not in SIGNAL_DTYPES:
+        result = act.eager(x, bias, out_dtype)
         return result if out is None else out.copy_(result)
     up = act.upsample.filter
     down = act.downsample.lowpass.filter
@@ -578,14 +593,15 @@ def fused_activation(
     )
     if out is None:
         return fused_activation_op(
-            *args, kernel.block, kernel.num_warps, kernel.lanes, kernel.chunk, kernel.channels_last_warps, kernel.sine
+            *args, kernel.block, kernel.num_warps, kernel.lanes, kernel.chunk, kernel.channels_last_warps, kernel.sine,
+            out_dtype,
         )
     if (
-        out.shape != x.shape or out.dtype != torch.float32 or out.device != x.device
+        out.shape != x.shape or out.device != x.device
         or any(n > 1 and a != b for n, a, b in zip(x.shape, out.stride(), layout_strides(x)))
     ):
         raise ValueError(
-            f"out must be a float32 tensor of shape {list(x.shape)} on {x.device}, "
+            f"out must be a tensor of shape {list(x.shape)} on {x.device}, "
             f"{'channels-last' if is_channels_last(x) else 'contiguous'} like x"
         )
     _launch(out, *args, kernel)

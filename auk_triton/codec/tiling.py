@@ -19,18 +19,21 @@ def plan_tiles(
     context inside its window. The last window is pinned to the clip's end and
     shrinks to the smallest of `sizes` that still holds the remaining frames plus
     the left context. A clip that fits in one tile is one window of its own length.
-    `first_tile`, for a clip longer than a tile, makes the first window that
-    short, so the first audio of a long clip comes after one small decode.
+    `first_tile`, for a clip longer than it, makes the first window that short, so
+    the first audio comes after one small decode; a clip of up to a tile then
+    needs a second window for the rest (one small window's work more in all, and
+    under load first windows of many requests batch, while full tiles hardly do).
     """
     if frames <= 0:
         raise ValueError(f"a clip needs at least one frame, got {frames}")
-    if frames <= tile:
+    split_first = first_tile is not None and first_tile < min(frames, tile)
+    if frames <= tile and not split_first:
         return [(0, frames, 0, frames)]
     if tile <= left + right:
         raise ValueError(f"tile of {tile} frames does not exceed the decode context {left} + {right}")
     windows = []
     emitted = 0
-    if first_tile is not None and first_tile < tile:
+    if split_first:
         if first_tile <= right:
             raise ValueError(f"first tile of {first_tile} frames does not exceed the right context {right}")
         windows.append((0, first_tile, 0, first_tile - right))

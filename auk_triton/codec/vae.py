@@ -48,6 +48,9 @@ DEFAULT_INIT_KWARGS = {
 # implicit GEMMs (benchmarks/studies/).
 FOLD_BELOW, FOLD_TO = 96, 192
 
+# The decoder's weight and signal dtypes (configure_decoder).
+DECODER_DTYPES = (torch.float32, torch.float16)
+
 # A channels-last signal goes through the 4-D convolution ops ([N, C, 1, L]): aten's 3-D
 # convolution first makes its input contiguous (channels-first), a full copy of the
 # signal per convolution, while the 4-D op hands it to cuDNN's NHWC kernels as it is.
@@ -319,6 +322,7 @@ class AuKVAE(nn.Module):
         # The decoder's signal layout and folding (configure_decoder); the values are the same.
         self.channels_last = False
         self.fold_below, self.fold_to = FOLD_BELOW, FOLD_TO
+        self.decoder_dtype = torch.float32
 
     # ---- construction and loading -------------------------------------------------------
 
@@ -407,8 +411,10 @@ class AuKVAE(nn.Module):
         channels_last: bool = False,
         fold_below: int = FOLD_BELOW,
         fold_to: int = FOLD_TO,
+        dtype: torch.dtype = torch.float32,
     ) -> "AuKVAE":
-        """Choose how the decoder runs on a GPU; before or after loading weights, as often as needed.
+        """Choose how the decoder runs on a GPU; before or after loading weights, as often as needed
+        (but see `dtype`).
 
         `activation_kernel`: run every anti-aliased activation as one Triton kernel
         with these launch settings on CUDA (None: the eager ops; a CPU always runs them).
@@ -423,29 +429,51 @@ class AuKVAE(nn.Module):
         where their width divides it (CausalConv1d.build_fold); `fold_to=0` turns
         folding off. The weights keep their values, only their strides change;
         decodes differ at rounding level, where other convolution algorithms run.
+
+        `dtype`: the decoder's convolution weights and signals, float32 (cuDNN runs
+        its convolutions in TF32 where PyTorch allows it, its default) or float16
+        (fp16 tensor-core convolutions with fp32 accumulation: TF32 and fp16 both keep
+        10 mantissa bits, and the signals stay far inside fp16's range). Either way the
+        activations compute in float32 (their parameters and filters stay float32), and so do the
+        latents' de-normalisation, the last activation's output, `conv_post` and the
+        clamp: the waveform comes out float32. float16 rounds the loaded weights, so
+        going back to float32 needs the checkpoint loaded again. For fp16 set
+        `torch.backends.cudnn.benchmark`: cuDNN's heuristics give some dilated fp16
+        convolutions a direct (non-tensor-core) kernel many times slower than the
+        implicit GEMM that timing finds (benchmarks/studies/fp16-decoder.md).
         """
+        if dtype not in DECODER_DTYPES:
+            raise ValueError(f"decoder dtype {dtype}: use one of {', '.join(map(str, DECODER_DTYPES))}")
+        if dtype == torch.float32 and self.decoder_dtype != torch.float32:
+            raise ValueError(f"the decoder's weights are already rounded to {self.decoder_dtype}; "
+                             "load the checkpoint again for a float32 decoder")
         for module in self.modules():
             if isinstance(module, Activation1d):
                 module.kernel = activation_kernel
         self.channels_last = bool(channels_last)
         self.fold_below, self.fold_to = int(fold_below), int(fold_to)
+        self.decoder_dtype = dtype
         self._derive_layout()
         return self
 
     def _derive_layout(self) -> None:
         """Weight strides, folded and polyphase weights for the chosen layout, from the current weights."""
         enabled, fold_below, fold_to = self.channels_last, self.fold_below, self.fold_to
+        decoder = [self.conv_pre, self.conv_post, *self.ups, *self.resblocks]
+        for part in decoder:
+            for module in part.modules():
+                if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)):
+                    # conv_post keeps float32: it writes the waveform (fp16 would step by 2^-11 near 1).
+                    dtype = torch.float32 if module is self.conv_post else self.decoder_dtype
+                    weight = module.weight.detach().to(dtype)
+                    module.weight.data = _channels_last(weight) if enabled else weight.contiguous()
+                    if module.bias is not None:
+                        module.bias.data = module.bias.detach().to(dtype)
         for conv in self.modules():
             if isinstance(conv, CausalConv1d):
                 width = conv.in_channels
                 folds = enabled and width < fold_below and fold_to > width and fold_to % width == 0
                 conv.build_fold(fold_to // width if folds else 1)
-        decoder = [self.conv_pre, self.conv_post, *self.ups, *self.resblocks]
-        for part in decoder:
-            for module in part.modules():
-                if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d)):
-                    weight = module.weight.detach()
-                    module.weight.data = _channels_last(weight) if enabled else weight.contiguous()
         for up in self.ups:
             if enabled:
                 up[0].build_polyphase()
@@ -501,18 +529,21 @@ class AuKVAE(nn.Module):
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         """`decode` without its checks, for callers that have made them (the graph wrapper)."""
         x = latents * torch.sqrt(self.global_log_std) + self.global_mean
-        x = self.conv_pre(x.transpose(1, 2))
+        x = self.conv_pre(x.transpose(1, 2).to(self.decoder_dtype))
         if self.channels_last:
             x = _channels_last(x)
         blocks = len(self.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up[0](x)
             stage = self.resblocks[i * blocks : (i + 1) * blocks]
-            acc = stage[0](x)
+            # The three blocks' average is summed in fp32 and rounded once: in an fp16 decoder
+            # each partial sum rounded to fp16 adds its own error (a compiled bucket fuses this
+            # anyway; the eager kernels of plain graphs and batched rows need it spelled out).
+            acc = stage[0](x).float()
             for block in stage[1:]:
                 acc = acc + block(x)
-            x = acc / blocks
-        x = self.conv_post(self.activation_post(x))
+            x = (acc / blocks).to(x.dtype)
+        x = self.conv_post(self.activation_post(x, out_dtype=torch.float32))
         return torch.clamp(x, -1.0, 1.0).squeeze(1)
 
     def zero_latent(self) -> torch.Tensor:

@@ -20,6 +20,10 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "auk_triton"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 DEFAULT_DEVICE = "auto"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
+# The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),
+# or tf32 (fp32 storage, TF32 convolutions). A CPU decodes in fp32 either way.
+DECODE_PRECISIONS = ("fp16", "tf32")
+GPU_DECODE_PRECISION = "fp16"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -59,9 +63,13 @@ def bool_parameter(params: Mapping[str, str], name: str, default: bool) -> bool:
     return value.lower() in _TRUE
 
 
-def choice_parameter(params: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+def choice_parameter(
+    params: Mapping[str, str], name: str, default: str | None, choices: tuple[str, ...]
+) -> str | None:
     """Parameter `name`, one of `choices`; `default` when it is empty."""
-    value = params.get(name, "") or default
+    value = params.get(name, "")
+    if value == "":
+        return default
     if value not in choices:
         raise ValueError(f"config parameter {name} is {value!r}; use one of {', '.join(choices)}")
     return value
@@ -124,6 +132,7 @@ class DecodeSettings:
     enable_cuda_graphs: bool = True
     fused_activation: bool = True
     channels_last: bool = True
+    precision: str | None = None  # None: GPU_DECODE_PRECISION on a GPU, fp32 on a CPU
     max_frames: int = DEFAULT_MAX_FRAMES
     # The tile scheduler: rows per batched replay, frames per replay (None: one tile's worth),
     # and the requests it decodes at once (the rest wait in Triton's queue).
@@ -152,6 +161,7 @@ class DecodeSettings:
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
             fused_activation=bool_parameter(params, "fused_activation", default.fused_activation),
             channels_last=bool_parameter(params, "channels_last", default.channels_last),
+            precision=choice_parameter(params, "precision", default.precision, DECODE_PRECISIONS),
             max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
             batch_sizes=list_parameter(params, "batch_sizes", default.batch_sizes, "1,2,4,8,16") or (1,),
             batch_frames=int_parameter(params, "batch_frames", default.batch_frames, 1),

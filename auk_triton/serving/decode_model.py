@@ -26,7 +26,7 @@ from auk_triton.codec import ActivationKernel, AuKVAE, AuKVAEDecodeGraph
 from auk_triton.codec.pcm16 import to_pcm16
 
 from .checkpoints import resolve_checkpoint
-from .config import DecodeSettings, use_compile_cache
+from .config import GPU_DECODE_PRECISION, DecodeSettings, use_compile_cache
 from .metrics import DecodeMetrics
 from .requests import RequestCancelled, require_finite, validate_latents
 from .scheduler import Iteration, Job, TileScheduler
@@ -200,10 +200,22 @@ class TritonPythonModel:
         )
 
     def _decoder_options(self) -> dict:
-        """`AuKVAE.configure_decoder`'s options for this device: on a GPU the fused activation
-        kernel (eager where Triton cannot load) and channels-last signals, as configured."""
+        """`AuKVAE.configure_decoder`'s options for this device: on a GPU the precision, the fused
+        activation kernel (eager where Triton cannot load) and channels-last signals, as configured."""
+        precision = self.settings.precision
         if self.device.type != "cuda":
+            if precision == "fp16":
+                log("warn", f"{self.name}: precision fp16 is for a GPU; {self.device} decodes in fp32")
             return {}
+        precision = precision or GPU_DECODE_PRECISION
+        if precision == "fp16":
+            # cuDNN times its algorithms per shape (at load, where the graphs are captured):
+            # its heuristics pick a slow direct kernel for some dilated fp16 convolutions.
+            torch.backends.cudnn.benchmark = True
+            log("info", f"{self.name}: decoding in fp16 (fp16 weights and signals, fp32 accumulation "
+                        "and activations; cuDNN benchmarks its convolution algorithms)")
+        else:
+            log("info", f"{self.name}: decoding in tf32 (fp32 weights and signals, TF32 convolutions)")
         kernel = None
         if self.settings.fused_activation:
             try:
@@ -216,7 +228,8 @@ class TritonPythonModel:
                             "decoding with the eager activations")
         if self.settings.channels_last:
             log("info", f"{self.name}: decoding channels-last (cuDNN's NHWC convolutions, no transposes)")
-        return {"activation_kernel": kernel, "channels_last": self.settings.channels_last}
+        return {"activation_kernel": kernel, "channels_last": self.settings.channels_last,
+                "dtype": torch.float16 if precision == "fp16" else torch.float32}
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -4,7 +4,10 @@ Every case draws fresh random inputs, SnakeBeta parameters (and, in some cases,
 FIR taps, as a checkpoint may store them), computes the eager `Activation1d`
 and the Triton kernel, and requires a relative L2 error of at most 1e-5 over
 the whole output and over each clip edge (where the replicate padding acts).
-The kernel writes into a NaN-poisoned output, which must come back finite, and
+The same holds for an fp16 signal (and bias) read by the kernel, which computes in
+fp32: written as fp32 it must match the eager module's fp32 result on the widened
+input within 1e-5, and written as fp16 each sample must be that result rounded, within
+half an fp16 ulp. The kernel writes into a NaN-poisoned output, which must come back finite, and
 the traceable op's own output must equal it bit for bit. Every case must be one
 the kernel supports: otherwise `fused_activation` falls back to the eager module
 and would match it trivially. That fallback is checked on its own (unsupported
@@ -40,6 +43,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TOLERANCE = 1e-5
+# An fp16 output sample is the fp32 result rounded: at most half an ulp, 2^-11 of its magnitude.
+FP16_ROUNDING = 2.0**-11
 DECODE_TOLERANCE = 1e-3
 EDGE = 24  # output samples checked separately at each clip edge
 
@@ -72,6 +77,13 @@ INTERPRETER_CASES = [
     # Long enough that whole programs of the channels-last kernel lie inside the row (its loop without edges).
     (1, 8, 600, "transposed", False, True, False, True),
     (2, 16, 1001, "transposed", True, True, True, False),
+]
+
+# fp16 signals (the decoder in fp16), with the output in either dtype.
+INTERPRETER_FP16_CASES = [
+    ((1, 24, 57, "contiguous", True, True, False, True), ("float16", "float16")),
+    ((1, 16, 600, "transposed", True, True, False, True), ("float16", "float16")),
+    ((1, 16, 600, "transposed", True, True, False, False), ("float16", "float32")),
 ]
 
 GPU_CASES = [
@@ -111,6 +123,11 @@ def _case_id(case) -> str:
     )
 
 
+def _fp16_case_id(case_and_io) -> str:
+    case, io = case_and_io
+    return f"{_case_id(case)}-{io[0]}-to-{io[1]}"
+
+
 def _input(batch, channels, length, layout, generator, device):
     def randn(*shape):
         return (torch.randn(*shape, generator=generator) * 1.5).to(device)
@@ -131,9 +148,10 @@ def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def run_case(case, device: str, seed: int, kernel=None) -> dict:
-    """Eager vs fused for one case (`kernel`: an ActivationKernel, None for the defaults);
-    returns the errors (and whether the poisoned output came back finite)."""
+def run_case(case, device: str, seed: int, kernel=None, io=("float32", "float32")) -> dict:
+    """Eager vs fused for one case (`kernel`: an ActivationKernel, None for the defaults; `io`:
+    the signal's and the output's dtype); returns the errors (and whether the poisoned output
+    came back finite)."""
     from auk_triton.codec.activation import Activation1d, ActivationKernel
     from auk_triton.codec.activation_kernel import empty_like_layout, fused_activation, supports
 
@@ -151,8 +169,9 @@ def run_case(case, device: str, seed: int, kernel=None) -> dict:
             act.upsample.filter.copy_(torch.randn(1, 1, 12, generator=generator) / 4)
             act.downsample.lowpass.filter.copy_(torch.randn(1, 1, 12, generator=generator) / 4)
     act = act.to(device)
-    x = _input(batch, channels, length, layout, generator, device)
-    bias = (torch.randn(channels, generator=generator) * 0.3).to(device) if with_bias else None
+    in_dtype, out_dtype = (getattr(torch, name) for name in io)
+    x = _input(batch, channels, length, layout, generator, device).to(in_dtype)
+    bias = (torch.randn(channels, generator=generator) * 0.3).to(device, in_dtype) if with_bias else None
     # Unsupported, fused_activation would fall back to the eager module and match it trivially.
     assert supports(x, act, bias), f"{_case_id(case)}: the kernel does not support this case"
 
@@ -160,18 +179,22 @@ def run_case(case, device: str, seed: int, kernel=None) -> dict:
     torch.backends.cudnn.allow_tf32 = False  # the reference in plain fp32
     try:
         with torch.no_grad():
-            expected = act(x, bias=bias)
+            expected = act.eager(x, bias=bias, out_dtype=torch.float32)  # fp32 on the widened input
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
 
-    poisoned = empty_like_layout(x).fill_(float("nan"))
+    poisoned = empty_like_layout(x, out_dtype).fill_(float("nan"))
     with torch.no_grad():
         kernel = kernel or ActivationKernel()
         written = fused_activation(x, act, out=poisoned, bias=bias, kernel=kernel)
-        op_out = fused_activation(x, act, bias=bias, kernel=kernel)
+        op_out = fused_activation(x, act, bias=bias, kernel=kernel, out_dtype=out_dtype)
     edge = min(EDGE, length)
+    # Past the fp16 rounding of the exact result (0 or less when every sample is within it).
+    bound = expected.double().abs() * FP16_ROUNDING * 1.01 + 1e-7
     return {
-        "id": _case_id(case),
+        "id": _case_id(case) + ("" if io == ("float32", "float32") else f"-{io[0]}-to-{io[1]}"),
+        "out_dtype": str(written.dtype),
+        "rounding_excess": ((written.double() - expected.double()).abs() - bound).max().item(),
         "finite": bool(torch.isfinite(written).all()),
         "op_equal": bool(torch.equal(op_out, written)),
         "rel_l2": _rel_l2(written, expected),
@@ -203,6 +226,10 @@ def _counting_launches():
 def _check(result: dict) -> None:
     assert result["finite"], f"{result['id']}: some output elements were not written (NaN poison survived)"
     assert result["op_equal"], f"{result['id']}: the custom op's output differs from the direct launch"
+    if result["out_dtype"] == "torch.float16":
+        assert result["rounding_excess"] <= 0, (
+            f"{result['id']}: a sample is {result['rounding_excess']:.3g} past the fp16 rounding of eager: {result}")
+        return
     for key in ("rel_l2", "rel_l2_left_edge", "rel_l2_right_edge"):
         assert result[key] <= TOLERANCE, f"{result['id']}: {key} {result[key]:.3g} > {TOLERANCE}: {result}"
 
@@ -241,6 +268,15 @@ def interpreter_results():
 def test_interpreted_kernel_matches_eager(interpreter_results, case):
     result = interpreter_results.get(_case_id(case))
     assert result is not None, f"no result for {_case_id(case)}"
+    if "error" in result:
+        pytest.fail(f"{result['id']} raised: {result['error']}")
+    _check(result)
+
+
+@pytest.mark.parametrize("case_and_io", INTERPRETER_FP16_CASES, ids=_fp16_case_id)
+def test_an_interpreted_fp16_signal_is_computed_in_fp32_and_rounded_once(interpreter_results, case_and_io):
+    result = interpreter_results.get(_fp16_case_id(case_and_io))
+    assert result is not None, f"no result for {_fp16_case_id(case_and_io)}"
     if "error" in result:
         pytest.fail(f"{result['id']} raised: {result['error']}")
     _check(result)
@@ -289,6 +325,14 @@ def test_kernel_matches_eager_on_the_gpu(case):
         _check(run_case(case, "cuda", seed))
 
 
+@gpu
+@pytest.mark.parametrize("out_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_an_fp16_signal_is_computed_in_fp32_and_rounded_once_on_the_gpu(case, out_dtype):
+    for seed in (0, 1):
+        _check(run_case(case, "cuda", seed, io=("float16", out_dtype)))
+
+
 SINE_CASES = [
     (1, 96, 4099, "contiguous", True, True, False, True),
     (1, 48, 20011, "transposed", True, True, False, True),
@@ -324,7 +368,8 @@ def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
     assert _rel_l2(out, expected) <= TOLERANCE
     filters = (act.upsample.filter, act.downsample.lowpass.filter)
     for bias in (None, torch.randn(64, device="cuda")):
-        args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True, *dataclasses.astuple(ActivationKernel()))
+        args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True, *dataclasses.astuple(ActivationKernel()),
+                torch.float32)
         torch.library.opcheck(
             fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
         )
@@ -424,7 +469,8 @@ def check_op() -> dict:
     x = torch.randn(1, 40, 8).transpose(1, 2)
     bias = torch.randn(8)
     filters = (act.upsample.filter.contiguous(), act.downsample.lowpass.filter.contiguous())
-    args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True, *dataclasses.astuple(ActivationKernel()))
+    args = (x, bias, act.act.alpha, act.act.beta, *filters, True, True, *dataclasses.astuple(ActivationKernel()),
+                torch.float32)
     torch.library.opcheck(
         fa.fused_activation_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static")
     )
@@ -494,6 +540,12 @@ def _interpreter_main() -> int:
         except Exception as err:  # reported per case by the parent test
             result = {"id": _case_id(case), "error": f"{type(err).__name__}: {err}"}
             failures += 1
+        print(json.dumps(result), flush=True)
+    for seed, (case, io) in enumerate(INTERPRETER_FP16_CASES):
+        try:
+            result = run_case(case, "cpu", seed, io=io)
+        except Exception as err:
+            result = {"id": _fp16_case_id((case, io)), "error": f"{type(err).__name__}: {err}"}
         print(json.dumps(result), flush=True)
     return 0 if failures < len(INTERPRETER_CASES) else 1
 

@@ -20,11 +20,12 @@ def check_plan(plan, frames, tile, left, right, first_tile=None):
     previous_start = -1
     for index, (start, size, emit_start, emit_end) in enumerate(plan):
         assert 0 <= start and start + size <= frames, "window inside the clip"
-        assert start > previous_start, "windows in order"
+        # In order; the window after a short first one may start at 0 too (its left context).
+        assert start > previous_start or (index == 1 and start == 0), "windows in order"
         previous_start = start
         assert emit_start == emitted and emit_end > emit_start, "emitted ranges tile the clip exactly once"
         emitted = emit_end
-        limit = first_tile if index == 0 and first_tile and frames > tile else tile
+        limit = first_tile if index == 0 and first_tile and frames > first_tile else tile
         assert size <= limit
         if start > 0:
             assert emit_start - start >= left, "full left context"
@@ -53,6 +54,13 @@ def test_plan_tiles_covers_the_clip_with_full_context(frames, tile, sizes, first
 def test_a_clip_that_fits_one_tile_is_one_window():
     assert plan_tiles(300, 512, 53, 9, DEFAULT_COMPILE_SHAPES) == [(0, 300, 0, 300)]
     assert plan_tiles(512, 512, 53, 9, DEFAULT_COMPILE_SHAPES) == [(0, 512, 0, 512)]
+
+
+def test_a_clip_of_one_tile_longer_than_the_first_tile_starts_with_the_short_first_window():
+    plan = plan_tiles(500, 512, 53, 9, DEFAULT_COMPILE_SHAPES, first_tile=32)
+    # 23 frames first; the rest with their left context (which reaches back to 0) in the 512 bucket.
+    assert plan == [(0, 32, 0, 23), (0, 500, 23, 500)]
+    assert plan_tiles(32, 512, 53, 9, DEFAULT_COMPILE_SHAPES, first_tile=32) == [(0, 32, 0, 32)]
 
 
 def test_the_last_window_shrinks_to_the_smallest_bucket_that_holds_the_rest():

@@ -40,7 +40,14 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.fused_activation is True and settings.channels_last is True
     assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
     assert settings.enable_cuda_graphs is True
+    assert settings.precision is None, "the device's default precision (fp16 on a GPU)"
     assert settings.cache_dir == Path("/c")
+
+
+@pytest.mark.parametrize("value", ["fp16", "tf32"])
+def test_the_precision_parameter_takes_fp16_or_tf32(value, tmp_path):
+    config = {"parameters": {"precision": {"string_value": value}}}
+    assert DecodeSettings.from_model_config(config, tmp_path, environ={}).precision == value
 
 
 def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
@@ -118,6 +125,7 @@ def test_a_bad_parameter_value_fails_naming_the_parameter_and_the_value():
         ("fused_activation", "fast", "true or false"),
         ("channels_last", "yes please", "true or false"),
         ("first_tile_frames", "-1", "at least 0"),
+        ("precision", "bf16", "use one of fp16, tf32"),
     ],
 )
 def test_a_bad_config_parameter_fails_the_load_naming_it(name, value, words, tmp_path):

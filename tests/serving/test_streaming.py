@@ -25,6 +25,14 @@ def make_latents(frames: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
 
 
+def httpclient_input(latents: np.ndarray):
+    import tritonclient.http as httpclient
+
+    inp = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
+    inp.set_data_from_numpy(latents)
+    return inp
+
+
 def assert_tiles_match(got: list[tuple[int, np.ndarray]], expected: list[tuple[int, np.ndarray]]) -> None:
     assert [start for start, _ in got] == [start for start, _ in expected]
     for (start, wave), (_, reference) in zip(got, expected):
@@ -58,6 +66,18 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
     with torch.no_grad():
         whole = reference_vae.decode(torch.from_numpy(latents)[None])[0].numpy()
     np.testing.assert_allclose(waveform, whole, rtol=0, atol=1e-5)
+
+
+def test_a_cpu_server_asked_for_fp16_decodes_in_fp32_and_says_so(triton, http_client, reference_vae):
+    # The shared server's configs ask for fp16 (triton_harness.copy_model_repository).
+    assert 'key: "precision", value: { string_value: "fp16" }' in (
+        triton.model_repository / OFFLINE_MODEL / "config.pbtxt").read_text()
+    assert f"{OFFLINE_MODEL}: precision fp16 is for a GPU; cpu decodes in fp32" in triton.log()
+    latents = make_latents(40, seed=11)
+    waveform = http_client.infer(OFFLINE_MODEL, [httpclient_input(latents)]).as_numpy("WAVEFORM")
+    with torch.no_grad():
+        expected = reference_vae.decode(torch.from_numpy(latents)[None])[0].numpy()
+    np.testing.assert_allclose(waveform, expected, rtol=0, atol=1e-6)
 
 
 def test_a_one_tile_clip_arrives_as_a_single_response_that_carries_the_final_flag(
@@ -285,7 +305,7 @@ def test_the_offline_model_counts_its_tiles_once_its_response_is_out(triton, htt
 def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(triton, http_client):
     """Triton's system shared-memory extension, as a client on the server's host uses it: the
     latents read from one region, the PCM16 waveform written into another, nothing of either in
-    the gRPC messages. The offline model (one response) and a one-tile stream both fill the output
+    the gRPC messages. The offline model (one response) and a one-window stream both fill the output
     region with the samples the HTTP path returns; a region too small is an error naming the output
     and the size it needs."""
     from multiprocessing import shared_memory
@@ -293,8 +313,9 @@ def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(trito
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    latents = make_latents(100, seed=61)  # one tile of the served 128
-    samples = 100 * HOP
+    frames = triton.first_tile_frames  # a clip no longer than the first window is one response
+    latents = make_latents(frames, seed=61)
+    samples = frames * HOP
     tensor = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
     tensor.set_data_from_numpy(latents, binary_data=True)
     reference = http_client.infer(
