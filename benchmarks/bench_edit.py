@@ -159,7 +159,7 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(timeout=120)
-        say(f"| recipe | source + target | served encode ms | edit first audio ms | edit total ms |")
+        say("| recipe | source + target | served encode ms | edit first audio ms | edit total ms |")
         say("| --- | --- | --- | --- | --- |")
         say(f"| flash | {args.edit_seconds:g} s + {args.edit_seconds:g} s | {result['encode']:.1f} | "
             f"{result['first']:.1f} | {result['total']:.1f} |")
