@@ -22,7 +22,6 @@ The synthetic checkpoint (6.1 GB of fp32 DiT weights) is written once under
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,24 +32,10 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from common import heading, start_server, synthetic_checkpoint
+from common import heading, recipe_checkpoints, start_server
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
-
-
-def checkpoints(root: Path, preset: str) -> dict[str, Path]:
-    """One base and one flash checkpoint directory; the flash one links the base one's weights."""
-    base = synthetic_checkpoint(root / f"{preset}-base", preset, dit=True)
-    flash = root / f"{preset}-flash"
-    flash.mkdir(exist_ok=True)
-    for name in ("vae.safetensors", "auk.safetensors"):
-        if not (flash / name).exists():
-            (flash / name).symlink_to((base / name).resolve())
-    config = json.loads((base / "config.json").read_text())
-    config["variant"] = "flash"
-    (flash / "config.json").write_text(json.dumps(config, indent=1))
-    return {"base": base, "flash": flash}
 
 
 def in_process(checkpoint: Path, recipe: dict, embeds: np.ndarray, seconds: float, reps: int, graphs: int) -> float:
@@ -108,7 +93,7 @@ def main() -> None:
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-pipeline-"))
     began = time.perf_counter()
-    dirs = checkpoints(cache, args.preset)
+    dirs = recipe_checkpoints(cache, args.preset)
     print(heading(f"AuK pipeline, {args.preset} (synthetic), {args.seconds:g} s of audio, {args.tokens} prompt tokens")
           + f" (checkpoints ready in {time.perf_counter() - began:.0f} s)", flush=True)
     embeds = np.random.default_rng(0).standard_normal((args.tokens, 2048)).astype(np.float32)

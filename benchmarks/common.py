@@ -9,6 +9,7 @@ seeded clip latents, the decode as served, timing with CUDA events, and a real
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
@@ -65,6 +66,20 @@ def synthetic_checkpoint(directory: Path | str | None = None, preset: str = "auk
     if dit:
         write_synthetic_dit_checkpoint(path, preset=preset, seed=SEED, variant="base")
     return path
+
+
+def recipe_checkpoints(root: Path, preset: str) -> dict[str, Path]:
+    """One base and one flash checkpoint directory; the flash one links the base one's weights."""
+    base = synthetic_checkpoint(root / f"{preset}-base", preset, dit=True)
+    flash = root / f"{preset}-flash"
+    flash.mkdir(exist_ok=True)
+    for name in ("vae.safetensors", "auk.safetensors"):
+        if not (flash / name).exists():
+            (flash / name).symlink_to((base / name).resolve())
+    config = json.loads((base / "config.json").read_text())
+    config["variant"] = "flash"
+    (flash / "config.json").write_text(json.dumps(config, indent=1))
+    return {"base": base, "flash": flash}
 
 
 def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:

@@ -1,8 +1,12 @@
-"""The AuK codec: the VAE, its decode replayed as CUDA graphs, and halo tiling."""
+"""The AuK codec: the VAE, its decode replayed as CUDA graphs, halo tiling, and the encode as served."""
 
 from .activation import ActivationKernel
 from .decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph, HostTile
+from .encode_graph import AuKVAEEncoder, posterior_seed
 from .tiling import plan_tiles
 from .vae import AuKVAE
 
-__all__ = ["ActivationKernel", "AuKVAE", "AuKVAEDecodeGraph", "DEFAULT_COMPILE_SHAPES", "HostTile", "plan_tiles"]
+__all__ = [
+    "ActivationKernel", "AuKVAE", "AuKVAEDecodeGraph", "AuKVAEEncoder", "DEFAULT_COMPILE_SHAPES", "HostTile",
+    "plan_tiles", "posterior_seed",
+]

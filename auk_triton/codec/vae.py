@@ -550,21 +550,32 @@ class AuKVAE(nn.Module):
         """The normalized latent that de-normalizes to raw zero: -mean / sqrt(var)."""
         return -self.global_mean / torch.sqrt(self.global_log_std)
 
-    def encode(self, wav: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Mono [1, T] at the codec's rate -> normalized latents [1, T // hop_size, latent_dim].
-
-        The posterior mean, or a sample from the posterior when `generator` is given.
-        """
+    def check_wav(self, wav: torch.Tensor) -> None:
+        """Raise ValueError unless `wav` is what `encode` takes: float32 mono [1, samples >= hop]."""
         self._check_float32("wav", wav)
         if wav.dim() != 2 or wav.shape[0] != 1:
             raise ValueError(f"wav must be mono [1, samples], got {list(wav.shape)}")
         if wav.shape[1] < self.hop_size:
             raise ValueError(f"wav has {wav.shape[1]} samples, fewer than one hop ({self.hop_size})")
+
+    def encode(self, wav: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Mono [1, T] at the codec's rate -> normalized latents [1, T // hop_size, latent_dim].
+
+        The posterior mean, or a sample from the posterior when `generator` is given.
+        """
+        self.check_wav(wav)
         stats = self.audio_encoder(wav.unsqueeze(1))
+        return self.posterior_latents(stats, wav.shape[1] // self.hop_size, generator)
+
+    def posterior_latents(
+        self, stats: torch.Tensor, frames: int, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """The encoder head's output [1, 2 * latent_dim, T'] -> normalized latents [1, frames,
+        latent_dim]: the posterior mean, or a sample from it when `generator` is given."""
         mean, log_std = stats.chunk(2, dim=1)
         raw = mean
         if generator is not None:
             noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
             raw = mean + noise * torch.exp(log_std)
         latents = (raw - self.global_mean.view(1, -1, 1)) / torch.sqrt(self.global_log_std.view(1, -1, 1))
-        return latents.transpose(1, 2)[:, : wav.shape[1] // self.hop_size]
+        return latents.transpose(1, 2)[:, :frames]

@@ -206,6 +206,33 @@ class DiTSettings:
         )
 
 
+@dataclass(frozen=True)
+class EncodeSettings:
+    """`auk_vae_encode`'s config parameters; the field defaults are the documented defaults."""
+
+    checkpoint: str = ""
+    max_frames: int = DEFAULT_MAX_FRAMES  # the longest clip, in whole frames (the decoder's own limit)
+    # GPU: replay the encoder as CUDA graphs, one per sample count. Off: a request of a new
+    # length pays warm-ups and a capture, and served lengths rarely repeat (README, auk_vae_encode).
+    enable_cuda_graphs: bool = False
+    max_graphs: int = 8
+    cache_dir: Path = DEFAULT_CACHE_DIR
+
+    @classmethod
+    def from_model_config(
+        cls, model_config: Mapping, model_dir: str | Path, environ: Mapping[str, str] = os.environ
+    ) -> "EncodeSettings":
+        params = config_parameters(model_config)
+        default = cls()
+        return cls(
+            checkpoint=checkpoint_path(params, model_dir, environ),
+            max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
+            enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
+            max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 1),
+            cache_dir=cache_dir_path(params, model_dir, environ),
+        )
+
+
 def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
     """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
     environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))

@@ -75,6 +75,47 @@ def require_finite(array: np.ndarray) -> None:
         )
 
 
+# ---- the encoder -----------------------------------------------------------------------------
+
+
+def validate_audio(array: np.ndarray | None, hop: int, max_frames: int, sample_rate: int) -> np.ndarray:
+    """Check one request's AUDIO (mono samples at the codec's rate); return it cut to whole
+    frames (the reference pipeline's truncation) as a C-contiguous float32 [samples] array."""
+    if array is None:
+        raise RequestError("the request has no AUDIO input")
+    if array.dtype != np.float32:
+        raise RequestError(f"AUDIO is {array.dtype.name}; this model takes FP32 (float32) samples")
+    if array.ndim != 1:
+        raise RequestError(
+            f"AUDIO has shape {list(array.shape)}; this model takes one mono clip as [samples] "
+            f"(mix the channels down first)"
+        )
+    samples = array.shape[0]
+    if samples < hop:
+        raise RequestError(
+            f"AUDIO has {samples} samples, fewer than one frame of {hop} ({hop / sample_rate * 1e3:g} ms at "
+            f"{sample_rate} Hz); send at least {hop}"
+        )
+    if samples > max_frames * hop:
+        raise RequestError(
+            f"AUDIO has {samples} samples ({samples / sample_rate:.1f} s), more than this model's max_frames "
+            f"of {max_frames} ({max_frames * hop} samples, {max_frames * hop / sample_rate:.0f} s); split the clip"
+        )
+    finite = np.isfinite(array)
+    if not finite.all():
+        first = int(np.argmin(finite))
+        raise RequestError(
+            f"AUDIO holds {int(np.isnan(array).sum())} NaN and {int(np.isinf(array).sum())} infinite samples "
+            f"(the first at sample {first}); every sample must be finite"
+        )
+    return np.ascontiguousarray(array[: samples - samples % hop])
+
+
+def optional_seed(array: np.ndarray | None, name: str = "SEED") -> int | None:
+    """An optional INT64 [1] seed input as an int; None when the request leaves it out."""
+    return None if array is None else int(_typed(lambda _: array, name, np.int64, None))
+
+
 # ---- the diffusion model --------------------------------------------------------------------
 
 
@@ -106,18 +147,24 @@ def _seconds(value: np.float32) -> float:
 def dit_plan(sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int) -> Plan:
     """Check an `auk_dit` request (`read(name)`: the input's array, or None) and plan it."""
     text = _typed(read, "PROMPT_EMBEDS", np.float32, 2)
-    seconds = _typed(read, "GEN_SECONDS", np.float32, None)
+    # Optional where a reference is given: the target is then as long as the reference.
+    seconds = _typed(read, "GEN_SECONDS", np.float32, None, required=False)
     seed = _typed(read, "SEED", np.int64, None)
     steps = _typed(read, "NUM_STEPS", np.int32, None, required=False)
     guidance = _typed(read, "GUIDANCE", np.float32, None, required=False)
     sway = _typed(read, "SWAY", np.float32, None, required=False)
     ref = _typed(read, "REF_LATENTS", np.float32, 2, required=False)
+    if seconds is None and ref is None:
+        raise RequestError(
+            "the request has no GEN_SECONDS input; only a request with REF_LATENTS may leave it out "
+            "(its target is then as long as the reference)"
+        )
     # A flash checkpoint runs its fixed recipe whatever NUM_STEPS says: no step count to limit.
     if steps is not None and steps > max_steps and sampler.variant != "flash":
         raise RequestError(f"NUM_STEPS is {int(steps)}; this model runs at most {max_steps} (max_steps)")
     request = Request(
         prompt_embeds=torch.from_numpy(np.ascontiguousarray(text)),
-        gen_seconds=_seconds(seconds),
+        gen_seconds=None if seconds is None else _seconds(seconds),
         seed=int(seed),
         num_steps=None if steps is None else int(steps),
         guidance=None if guidance is None else float(guidance),

@@ -1,5 +1,7 @@
 """Client for the AuK decoder served on Triton: a Python API and the `auk-client` CLI."""
 
+from .edit import encode_audio, stream_edit
+from .source import SourceAudio, load_source, prepare_source
 from .stream import (
     AuKClientError,
     Tile,
@@ -15,14 +17,19 @@ from .wavio import RawPcm16Stream, WavWriter, read_wav, to_pcm16
 __all__ = [
     "AuKClientError",
     "RawPcm16Stream",
+    "SourceAudio",
     "Tile",
     "WavWriter",
     "assemble",
     "decode_offline",
+    "encode_audio",
     "load_latents",
+    "load_source",
     "model_latent_dim",
+    "prepare_source",
     "random_latents",
     "read_wav",
     "stream_decode",
+    "stream_edit",
     "to_pcm16",
 ]

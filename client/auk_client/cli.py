@@ -1,4 +1,4 @@
-"""auk-client: decode AuK latents, or generate audio through the pipeline, on a Triton server.
+"""auk-client: decode AuK latents, generate audio through the pipeline, or encode and edit audio, on a Triton server.
 
     auk-client decode latents.npy -o out.wav          # gRPC stream, PCM16 WAV
     auk-client latents.npy -o out.wav                 # the same: without a command, auk-client decodes
@@ -6,6 +6,8 @@
     auk-client latents.npy --raw | aplay -f S16_LE -r 24000 -c 1
     auk-client latents.npy --http -o out.wav          # whole clip over HTTP
     auk-client pipeline --random-tokens 32 --seconds 10 -o out.wav   # text condition -> DiT -> decoder
+    auk-client encode source.wav -o latents.npy       # a WAV's latents (any rate and channels)
+    auk-client edit --audio source.wav --prompt-embeds p.npy --seconds 10 -o out.wav   # edit a clip
 
 Progress, the summary and errors go to stderr, so stdout carries only the
 raw PCM of `--raw`. Exit status: 0 on success, 2 for bad input (arguments,
@@ -24,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator
 
 from . import stream as st
+from .edit import EDIT_MODEL, ENCODE_MODEL, encode_audio, stream_edit
 from .pipeline import (
     DEFAULT_PIPELINE_TIMEOUT_S,
     PIPELINE_MODEL,
@@ -32,17 +35,27 @@ from .pipeline import (
     random_prompt_embeds,
     stream_pipeline,
 )
+from .source import SourceAudio, load_source
 from .stream import AuKClientError, BadInput
 from .wavio import FLOAT32, PCM16, RawPcm16Stream, WavWriter
 
 PROG = "auk-client"
-COMMANDS = ("decode", "pipeline")
+COMMANDS = ("decode", "pipeline", "encode", "edit")
 DECODE_DESCRIPTION = (
     "Decode AuK latents (24 kHz mono) on Triton: streams tiles over gRPC from "
     f"{st.STREAM_MODEL} by default, or the whole clip over HTTP from {st.OFFLINE_MODEL} "
     "with --http, and writes a WAV as the tiles arrive."
 )
 PIPELINE_DESCRIPTION = "Generate audio with the AuK pipeline (DiT -> decoder) on Triton, streamed over gRPC."
+SOURCE_NOTE = (
+    "The WAV (PCM16 or 32-bit float, any sample rate and channel count) is mixed down to mono "
+    "and resampled to 24 kHz (soxr) first; the server cuts it to whole 20 ms frames."
+)
+ENCODE_DESCRIPTION = f"Encode a WAV to normalized AuK latents with {ENCODE_MODEL} on Triton (gRPC). {SOURCE_NOTE}"
+EDIT_DESCRIPTION = (
+    f"Edit audio with AuK on Triton: {EDIT_MODEL} encodes the source WAV, the DiT generates with its "
+    f"latents as the reference, and the decoder streams the result over gRPC. {SOURCE_NOTE}"
+)
 
 
 # -- parsers ----------------------------------------------------------------------------------
@@ -52,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     """`auk-client COMMAND ...`: decode (latents to audio) or pipeline (a text condition to audio)."""
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Decode AuK latents, or generate audio through the AuK pipeline, on a Triton server.",
+        description="Decode AuK latents, generate audio through the AuK pipeline, or encode and edit audio, on a Triton server.",
         epilog=(
             f"Without a command, {PROG} decodes: `{PROG} latents.npy -o out.wav` is "
             f"`{PROG} decode latents.npy -o out.wav`. `{PROG} COMMAND --help` lists a command's options."
@@ -69,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a text condition to audio through the DiT and the decoder",
     )
     add_pipeline_arguments(pipeline).set_defaults(run=run_pipeline, prog=pipeline.prog)
+    encode = commands.add_parser("encode", description=ENCODE_DESCRIPTION, help="a WAV to its latents through the encoder")
+    add_encode_arguments(encode).set_defaults(run=run_encode, prog=encode.prog)
+    edit = commands.add_parser(
+        "edit", description=EDIT_DESCRIPTION,
+        help="a source WAV and a text condition to audio through the encoder, the DiT and the decoder",
+    )
+    add_edit_arguments(edit).set_defaults(run=run_edit, prog=edit.prog)
     return p
 
 
@@ -121,13 +141,17 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_text_condition_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("text condition (one of)")
     src.add_argument("--prompt-embeds", metavar="NPY", help=f".npy of shape [tokens, {TEXT_DIM}] from AuK's encoder stage")
     src.add_argument(
         "--random-tokens", type=int, metavar="N",
         help="instead, N seeded random prompt tokens: a stand-in for the encoder stage (no meaningful sound)",
     )
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_text_condition_arguments(p)
     gen = p.add_argument_group("generation")
     gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
     gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
@@ -143,6 +167,50 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
     out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
     out.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    return p
+
+
+def add_encode_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("audio", help="source WAV file")
+    p.add_argument(
+        "--seed", type=int, default=None,
+        help="sample the posterior with this request seed (default: the posterior mean)",
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
+    srv.add_argument("--model", default=ENCODE_MODEL, help=f"model name (default {ENCODE_MODEL})")
+    srv.add_argument("--timeout", type=float, default=st.DEFAULT_TIMEOUT_S, help="seconds for the whole request")
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", default="latents.npy", help="the latents [frames, 64] as .npy (default latents.npy)")
+    out.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    return p
+
+
+def add_edit_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--audio", required=True, metavar="WAV", help="the source clip to edit")
+    add_text_condition_arguments(p)
+    gen = p.add_argument_group("generation")
+    gen.add_argument(
+        "--seconds", type=float, default=None,
+        help="duration of the edited audio (default: as long as the source)",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
+    gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
+    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
+    gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
+    gen.add_argument(
+        "--encode-seed", type=int, default=None,
+        help="encode the source as a posterior sample with this seed (the reference's vae_sample: "
+             "pass the same value as --seed); default: the posterior mean",
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
+    srv.add_argument("--model", default=EDIT_MODEL, help=f"ensemble name (default {EDIT_MODEL})")
+    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", default="auk_edit.wav", help="WAV file, written as tiles arrive")
+    out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     return p
 
 
@@ -351,6 +419,100 @@ def run_pipeline(args: argparse.Namespace) -> int:
             f"time to first audio: {first:.3f} s, total {total:.3f} s",
             file=sys.stderr,
         )
+    return 0
+
+
+# -- encode and edit --------------------------------------------------------------------------
+
+
+def describe_source(path: str, source: SourceAudio) -> str:
+    layout = "mono" if source.source_channels == 1 else f"{source.source_channels} channels mixed to mono"
+    rate = "" if source.source_rate == st.SAMPLE_RATE else f", resampled from {source.source_rate} Hz"
+    return f"{path} ({layout}{rate}; {source.seconds:.3f} s at {st.SAMPLE_RATE} Hz, {source.frames} frames)"
+
+
+def write_npy(path: str, array) -> None:
+    """`array` as .npy at exactly `path` (np.save would add .npy to a name without it)."""
+    import numpy as np
+
+    try:
+        with open(path, "wb") as f:
+            np.save(f, array)
+    except OSError as exc:
+        raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def run_encode(args: argparse.Namespace) -> int:
+    if args.seed is not None and args.seed < 0:
+        raise BadInput(f"--seed must be 0 or more, got {args.seed}")
+    source = load_source(args.audio)
+    started = time.perf_counter()
+    latents = encode_audio(source.samples, seed=args.seed, url=args.url, model=args.model, timeout=args.timeout)
+    elapsed = time.perf_counter() - started
+    write_npy(args.output, latents)
+    if not args.quiet:
+        kind = "posterior mean" if args.seed is None else f"a posterior sample (seed {args.seed})"
+        print("\n".join([
+            f"{PROG}: encoded {source.seconds:.3f} s of audio with {args.model} over gRPC at {args.url}",
+            f"  source                {describe_source(args.audio, source)}",
+            f"  latents               [{latents.shape[0]} x {latents.shape[1]}], {kind}",
+            f"  time                  {elapsed * 1000:.1f} ms",
+            f"  wrote                 {args.output}",
+        ]), file=sys.stderr, flush=True)
+    return 0
+
+
+def run_edit(args: argparse.Namespace) -> int:
+    if (args.prompt_embeds is None) == (args.random_tokens is None):
+        raise BadInput("give either --prompt-embeds FILE.npy or --random-tokens N (not both)")
+    for option, value in (("--seed", args.seed), ("--encode-seed", args.encode_seed)):
+        if value is not None and value < 0:
+            raise BadInput(f"{option} must be 0 or more, got {value}")
+    if args.seconds is not None:
+        st.frames_for_seconds(args.seconds)  # a bad duration is reported before the server is asked
+    if args.prompt_embeds is not None:
+        embeds, prompt = load_prompt_embeds(args.prompt_embeds), args.prompt_embeds
+    else:
+        embeds = random_prompt_embeds(args.random_tokens, args.seed)
+        prompt = f"{args.random_tokens} random tokens (seed {args.seed}), a stand-in for the encoder stage"
+    source = load_source(args.audio)
+    # The server makes ceil(50 * seconds) frames, or as many as the source has.
+    target_s = source.frames * st.HOP / st.SAMPLE_RATE if args.seconds is None else args.seconds
+    fmt = FLOAT32 if args.float32 else PCM16
+    tiles: list[st.Tile] = []
+    with written_wav(args.output, fmt) as writer:
+        bar = _progress(target_s, enabled=not args.quiet)
+        started = time.perf_counter()
+        covered = 0
+        try:
+            for tile in stream_edit(
+                source.samples, embeds, args.seconds, args.seed, num_steps=args.steps, guidance=args.guidance,
+                sway=args.sway, encode_seed=args.encode_seed, url=args.url, model=args.model, timeout=args.timeout,
+            ):
+                writer.place(tile.start_sample, tile.waveform)
+                tiles.append(tile)
+                if bar is not None and tile.end_sample > covered:
+                    bar.update(round((tile.end_sample - covered) / st.SAMPLE_RATE, 3))
+                covered = max(covered, tile.end_sample)
+        finally:
+            elapsed = time.perf_counter() - started
+            if bar is not None:
+                bar.close()
+        if not tiles:  # inside the block: the header-only WAV is removed
+            raise AuKClientError(f"{args.model} at {args.url} finished without sending any audio")
+    if not args.quiet:
+        samples = max(t.end_sample for t in tiles)
+        audio_s = samples / st.SAMPLE_RATE
+        print("\n".join([
+            f"{PROG}: edited {audio_s:.3f} s of audio with {args.model} over gRPC stream at {args.url}",
+            f"  source                {describe_source(args.audio, source)}",
+            f"  prompt                {prompt}",
+            f"  time to first audio   {min(t.arrived_s for t in tiles) * 1000:.1f} ms",
+            f"  total time            {elapsed * 1000:.1f} ms",
+            f"  audio                 {audio_s:.3f} s ({samples} samples at {st.SAMPLE_RATE} Hz)",
+            f"  tiles received        {len(tiles)}",
+            f"  wrote                 {args.output} ({'32-bit float' if fmt == FLOAT32 else 'PCM16'} WAV)",
+        ]), file=sys.stderr, flush=True)
     return 0
 
 

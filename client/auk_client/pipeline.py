@@ -67,7 +67,7 @@ def random_prompt_embeds(tokens: int, seed: int) -> np.ndarray:
 def pipeline_inputs(
     client_module,
     prompt_embeds: np.ndarray,
-    seconds: float,
+    seconds: float | None,
     seed: int,
     *,
     num_steps: int | None = None,
@@ -75,13 +75,15 @@ def pipeline_inputs(
     sway: float | None = None,
     ref_latents: np.ndarray | None = None,
     check: bool = True,
+    **extra: np.ndarray | None,
 ) -> list:
-    """The InferInputs of one request (for `tritonclient.grpc` or `.http`). Unset knobs are left out."""
-    arrays = {
-        "PROMPT_EMBEDS": check_prompt_embeds(prompt_embeds) if check else np.asarray(prompt_embeds),
-        "GEN_SECONDS": np.array([seconds], dtype=np.float32),
-        "SEED": np.array([seed], dtype=np.int64),
-    }
+    """The InferInputs of one request (for `tritonclient.grpc` or `.http`). Unset knobs are left
+    out (`seconds=None` too: a request with a reference then gets a target as long as it);
+    `extra` adds inputs by name (None: left out)."""
+    arrays = {"PROMPT_EMBEDS": check_prompt_embeds(prompt_embeds) if check else np.asarray(prompt_embeds)}
+    if seconds is not None:
+        arrays["GEN_SECONDS"] = np.array([seconds], dtype=np.float32)
+    arrays["SEED"] = np.array([seed], dtype=np.int64)
     if num_steps is not None:
         arrays["NUM_STEPS"] = np.array([num_steps], dtype=np.int32)
     if guidance is not None:
@@ -90,6 +92,7 @@ def pipeline_inputs(
         arrays["SWAY"] = np.array([sway], dtype=np.float32)
     if ref_latents is not None:
         arrays["REF_LATENTS"] = check_latents(ref_latents, "reference latents") if check else np.asarray(ref_latents)
+    arrays.update({name: array for name, array in extra.items() if array is not None})
     types = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32"}
     inputs = []
     for name, array in arrays.items():

@@ -172,27 +172,38 @@ class RawPcm16Stream:
         self.stream.flush()
 
 
+# WAVE_FORMAT_EXTENSIBLE carries the real format tag in the first two bytes of its SubFormat GUID.
+_WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+
+
 def read_wav(path: str) -> tuple[int, np.ndarray]:
-    """Read a mono WAV this module wrote: (sample rate, int16 or float32 samples)."""
+    """Read a PCM16 or 32-bit float WAV (plain or WAVE_FORMAT_EXTENSIBLE): (sample rate,
+    int16 or float32 samples), [samples] for mono and [samples, channels] for more."""
     with open(path, "rb") as f:
         blob = f.read()
     if blob[:4] != b"RIFF" or blob[8:12] != b"WAVE":
         raise ValueError(f"{path} is not a RIFF/WAVE file")
-    pos, tag, rate, bits, data = 12, None, None, None, None
+    pos, tag, channels, rate, bits, data = 12, None, None, None, None, None
     while pos + 8 <= len(blob):
         cid, size = blob[pos:pos + 4], struct.unpack_from("<I", blob, pos + 4)[0]
         body = blob[pos + 8:pos + 8 + size]
         if cid == b"fmt ":
+            if len(body) < 16:
+                raise ValueError(f"{path}: its fmt chunk has {len(body)} bytes, fewer than 16")
             tag, channels, rate, _, _, bits = struct.unpack_from("<HHIIHH", body)
-            if channels != 1:
-                raise ValueError(f"{path}: {channels} channels, expected mono")
+            if tag == _WAVE_FORMAT_EXTENSIBLE and len(body) >= 26:
+                tag = struct.unpack_from("<H", body, 24)[0]
         elif cid == b"data":
             data = body
         pos += 8 + size + (size & 1)
     if tag is None or data is None:
         raise ValueError(f"{path}: missing fmt or data chunk")
+    if not channels:
+        raise ValueError(f"{path}: its fmt chunk says 0 channels")
     if tag == _WAVE_FORMAT_PCM and bits == 16:
-        return rate, np.frombuffer(data, dtype="<i2").copy()
-    if tag == _WAVE_FORMAT_IEEE_FLOAT and bits == 32:
-        return rate, np.frombuffer(data, dtype="<f4").copy()
-    raise ValueError(f"{path}: unsupported WAV format tag {tag} with {bits} bits")
+        samples = np.frombuffer(data[: len(data) - len(data) % (2 * channels)], dtype="<i2").copy()
+    elif tag == _WAVE_FORMAT_IEEE_FLOAT and bits == 32:
+        samples = np.frombuffer(data[: len(data) - len(data) % (4 * channels)], dtype="<f4").copy()
+    else:
+        raise ValueError(f"{path}: unsupported WAV format tag {tag} with {bits} bits (PCM16 or 32-bit float only)")
+    return rate, samples if channels == 1 else samples.reshape(-1, channels)

@@ -248,6 +248,8 @@ def test_the_overall_help_lists_both_commands_and_says_that_without_one_auk_clie
 @pytest.mark.parametrize("command, options", [
     ("decode", ("--raw", "--float32", "--http", "--seconds", "[latents]")),
     ("pipeline", ("--prompt-embeds", "--random-tokens", "--steps", "--guidance")),
+    ("encode", ("[-h]", "audio", "--seed", "-o OUTPUT", "soxr")),
+    ("edit", ("--audio WAV", "--prompt-embeds", "--seconds", "--encode-seed", "--random-tokens")),
 ])
 def test_each_command_prints_its_own_usage_and_options(command, options):
     proc = run_client(command, "--help")
@@ -264,7 +266,9 @@ def test_a_first_word_that_is_neither_a_command_nor_a_file_is_a_usage_error_nami
     assert proc.returncode == 2
     lines = proc.stderr.decode().strip().splitlines()
     assert lines[0].startswith("usage: auk-client [-h] COMMAND ..."), lines
-    assert lines[-1] == f"auk-client: error: '{word}' is neither a command (decode, pipeline) nor a latents file"
+    assert lines[-1] == (
+        f"auk-client: error: '{word}' is neither a command (decode, pipeline, encode, edit) nor a latents file"
+    )
     assert not (tmp_path / "never.wav").exists()
 
 
@@ -278,7 +282,10 @@ def test_a_missing_npy_file_is_reported_as_a_missing_latents_file_with_or_withou
 # ---- a distribution of its own, without torch ------------------------------------------
 
 
-CLIENT_MODULES = ("auk_client", "auk_client.cli", "auk_client.pipeline", "auk_client.stream", "auk_client.wavio")
+CLIENT_MODULES = (
+    "auk_client", "auk_client.cli", "auk_client.edit", "auk_client.pipeline", "auk_client.source",
+    "auk_client.stream", "auk_client.wavio",
+)
 
 
 def heavy_modules_after(code: str) -> list[str]:

@@ -440,7 +440,8 @@ def shm_bytes_per_gpu() -> int:
     offline = latents + max_frames * samples_per_frame * 4  # the whole float32 waveform
     streaming = latents + 2 * tile  # one tile being sent while the next decodes
     dit = PROMPT_TOKENS * 2048 * 4 + 2 * latents  # prompt, reference latents, generated latents
-    return offline + streaming + dit
+    encode = max_frames * samples_per_frame * 4 + latents  # the source's float32 samples, its latents
+    return offline + streaming + dit + encode
 
 
 def test_dev_shm_holds_a_ten_minute_request_per_model_instance(deployed):

@@ -11,6 +11,7 @@ from auk_triton.codec import DEFAULT_COMPILE_SHAPES
 from auk_triton.serving.config import (
     DecodeSettings,
     DiTSettings,
+    EncodeSettings,
     bool_parameter,
     cache_dir_path,
     checkpoint_path,
@@ -51,7 +52,7 @@ def test_the_precision_parameter_takes_fp16_or_tf32(value, tmp_path):
 
 
 def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
-    for model in ("auk_vae_decode", "auk_vae_decode_offline", "auk_dit"):
+    for model in ("auk_vae_decode", "auk_vae_decode_offline", "auk_dit", "auk_vae_encode"):
         folder = REPO_ROOT / "model_repository" / model
 
         def body(path: Path) -> str:
@@ -59,6 +60,16 @@ def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
             return "\n".join(lines).replace("KIND_GPU", "KIND_CPU")
 
         assert body(folder / "config.pbtxt") == body(folder / "configs" / "gpu.pbtxt"), model
+
+
+def test_the_shipped_encoder_config_parses_to_the_documented_defaults(tmp_path):
+    settings = EncodeSettings.from_model_config(shipped_config("auk_vae_encode"), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
+    assert settings == EncodeSettings(cache_dir=Path("/c"))
+    assert (settings.checkpoint, settings.max_frames, settings.max_graphs) == ("", 30000, 8)
+    assert settings.enable_cuda_graphs is False, "eager unless configured (README, auk_vae_encode)"
+    config = {"parameters": {"max_frames": {"string_value": "0"}}}
+    with pytest.raises(ValueError, match="max_frames is 0; it must be at least 1"):
+        EncodeSettings.from_model_config(config, tmp_path, environ={})
 
 
 def test_auk_checkpoint_overrides_the_parameter_and_relative_parameters_follow_the_model_folder(tmp_path):
