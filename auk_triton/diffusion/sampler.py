@@ -143,6 +143,20 @@ def run_key(schedule: Schedule) -> tuple:
     return tuple(schedule.grid.tolist()), schedule.guided
 
 
+def sampler_runs(schedules: list[Schedule], max_rows: int) -> list[list[int]]:
+    """Indices of the schedules grouped into runs: those of one `run_key`, in order, at most
+    `max_rows` a run; runs ordered by their first index (the oldest request's run goes first)."""
+    groups: dict[tuple, list[list[int]]] = {}
+    runs: list[list[int]] = []
+    for index, schedule in enumerate(schedules):
+        chunks = groups.setdefault(run_key(schedule), [])
+        if not chunks or len(chunks[-1]) >= max_rows:
+            chunks.append([])
+            runs.append(chunks[-1])
+        chunks[-1].append(index)
+    return runs
+
+
 def euler_integrate(
     velocity,
     x: torch.Tensor,

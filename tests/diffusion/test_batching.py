@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from auk_triton.diffusion.sampler import Request, SamplingStopped, load_sampler, run_key
+from auk_triton.diffusion.sampler import Request, SamplingStopped, load_sampler, run_key, sampler_runs, time_grid, Schedule
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 
 VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
@@ -122,3 +122,12 @@ def test_plans_of_different_grids_or_guidance_modes_do_not_share_a_run(sampler):
     # Guidance scales may differ: one run.
     assert run_key(sampler.plan(base).schedule) == run_key(sampler.plan(
         Request(_text(3, 0), 0.1, 0, num_steps=2, guidance=4.0)).schedule)
+
+
+def test_runs_gather_the_requests_of_one_key_in_order_up_to_the_row_limit():
+    flash, base, other = Schedule(time_grid(4, -1.0), 0.0), Schedule(time_grid(32, -1.0), 2.0), Schedule(time_grid(32, -1.0), 3.0)
+    schedules = [flash, base, flash, other, flash, base, flash]
+    assert sampler_runs(schedules, max_rows=16) == [[0, 2, 4, 6], [1, 3, 5]]  # base and other: one key
+    assert sampler_runs(schedules, max_rows=3) == [[0, 2, 4], [1, 3, 5], [6]]
+    assert sampler_runs(schedules, max_rows=1) == [[i] for i in range(7)]  # batching off: as they came
+    assert sampler_runs([], max_rows=4) == []
