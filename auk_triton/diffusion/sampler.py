@@ -7,6 +7,13 @@ makes every such check, so a server can validate a request with it and then
 between Euler steps whether to go on, and raises SamplingStopped once told to stop
 (a server passes "has this request's client gone?").
 
+`generate_batch(plans)` runs several plans as the rows of one sampler run: plans
+with the same `run_key` (the same time grid, both guided or both not; guidance
+scales may differ per row). Rows are padded to the longest prompt, reference and
+target and masked (the spec's padding rules), each row draws its own noise from
+its own seed, and each row gets its own result: its latents, or the exception
+that ended it alone (non-finite output, a stop).
+
 t = 0 is pure noise and the last grid point is the clean latent; the DiT's
 velocity points from noise towards data, so each step is
 `x <- x + (t[i+1] - t[i]) * v(x, t[i])`, integrating forward in t.
@@ -15,6 +22,7 @@ velocity points from noise towards data, so each step is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -117,27 +125,57 @@ class SchedulePolicy:
 # --------------------------------------------------------------------------- integration
 
 
-def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg: float) -> torch.Tensor:
-    """v = v_c + cfg * (v_c - v_u): cfg = 2 weighs the conditional branch 3 and the unconditional -2."""
-    return v_cond + cfg * (v_cond - v_uncond)
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg) -> torch.Tensor:
+    """v = v_c + cfg * (v_c - v_u): cfg = 2 weighs the conditional branch 3 and the unconditional -2.
+
+    `cfg` is a number or an fp32 tensor of per-row scales [B, 1, 1]. The product is rounded
+    to the velocity's dtype before the sum, as a number times a bf16 tensor is, so a row's
+    scale as a tensor gives the same bits as the same scale as a number."""
+    return v_cond + (cfg * (v_cond - v_uncond)).to(v_cond.dtype)
 
 
 class SamplingStopped(RuntimeError):
     """`generate` stopped before its end because `should_stop` said so."""
 
 
+def run_key(schedule: Schedule) -> tuple:
+    """Plans whose schedules have equal keys can share a sampler run: one grid, one guidance mode."""
+    return tuple(schedule.grid.tolist()), schedule.guided
+
+
+def sampler_runs(schedules: list[Schedule], max_rows: int) -> list[list[int]]:
+    """Indices of the schedules grouped into runs: those of one `run_key`, in order, at most
+    `max_rows` a run; runs ordered by their first index (the oldest request's run goes first)."""
+    groups: dict[tuple, list[list[int]]] = {}
+    runs: list[list[int]] = []
+    for index, schedule in enumerate(schedules):
+        chunks = groups.setdefault(run_key(schedule), [])
+        if not chunks or len(chunks[-1]) >= max_rows:
+            chunks.append([])
+            runs.append(chunks[-1])
+        chunks[-1].append(index)
+    return runs
+
+
 def euler_integrate(
-    velocity, x: torch.Tensor, grid: torch.Tensor, cfg: float, should_stop: Callable[[], bool] | None = None
+    velocity,
+    x: torch.Tensor,
+    grid: torch.Tensor,
+    cfg,
+    should_stop: Callable[[], bool] | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit Euler over the grid. velocity(x, t) returns [cond; uncond] rows when guided.
 
     x is the fp32 accumulator. As in the reference revisions, the guidance combination
     and dt * v are formed in the velocity's dtype (bf16 under autocast) and then added
-    into fp32 x. `should_stop`, when given, is asked before every step but the first;
-    once it answers True, SamplingStopped names the step.
+    into fp32 x. `cfg` is a number or per-row scales [B, 1, 1]. `mask` [B, n], when
+    given, marks a batch's valid frames: the padded ones stay zero. `should_stop`, when
+    given, is asked before every step but the first; once it answers True,
+    SamplingStopped names the step.
     """
     grid = grid.to(device=x.device, dtype=torch.float32)
-    guided = cfg >= CFG_MIN
+    guided = bool((torch.as_tensor(cfg) >= CFG_MIN).all())
     steps = grid.numel() - 1
     for i in range(steps):
         if i and should_stop is not None and should_stop():
@@ -146,6 +184,8 @@ def euler_integrate(
         if guided:
             v_cond, v_uncond = v.chunk(2, dim=0)
             v = cfg_combine(v_cond, v_uncond, cfg)
+        if mask is not None:
+            v = v.masked_fill(~mask[..., None], 0.0)
         x = x + (grid[i + 1] - grid[i]) * v
     return x
 
@@ -281,7 +321,6 @@ class AuKDiTSampler:
         schedule = self.policy.resolve(req.num_steps, req.guidance, req.sway, req.t_grid)
         return Plan(text, ref, frames, schedule, req.seed)
 
-    @torch.inference_mode()
     def generate(self, req: "Request | Plan", should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Normalized latents [n, C] in fp32. The same request and seed give the same latents.
 
@@ -289,17 +328,42 @@ class AuKDiTSampler:
         it answers True, generate raises SamplingStopped.
         """
         plan = req if isinstance(req, Plan) else self.plan(req)
-        if should_stop is not None and should_stop():
-            raise SamplingStopped("before sampling")
-        text, ref, frames, schedule = plan.text, plan.ref, plan.frames, plan.schedule
-        device = self.device
-        text = text.to(device=device, dtype=self.dtype)[None]
-        if ref is not None:
-            ref = ref.to(device=device, dtype=torch.float32)[None]
-        c_mask = torch.ones(text.shape[:2], dtype=torch.bool, device=device)
-        with self._autocast():
-            ctx = self.model.prepare(text, frames, c_mask=c_mask, ref=ref, cfg_infer=schedule.guided)
-        noise = initial_noise(frames, self.latent_dim, plan.seed, device)
+        result = self.generate_batch([plan], [should_stop])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def generate_batch(
+        self, plans: list[Plan], should_stop: list[Callable[[], bool] | None] | None = None
+    ) -> list[torch.Tensor | Exception]:
+        """One sampler run over several plans of one `run_key`: per plan, its latents [n, C]
+        (fp32) or the exception that ended that row (SamplingStopped, or RuntimeError for
+        non-finite latents). An error of the run itself (out of memory) is raised.
+
+        `should_stop[i]` is asked for row i before any work and between Euler steps; a
+        stopped row stays in the run (its shape is the graph's) and its result is
+        SamplingStopped; the run ends early once every row has stopped.
+        """
+        if not plans:
+            return []
+        keys = {run_key(plan.schedule) for plan in plans}
+        if len(keys) != 1:
+            raise ValueError("plans with different time grids or guidance modes cannot share a sampler run")
+        schedule = plans[0].schedule
+        checks = list(should_stop or [None] * len(plans))
+        stopped: list[Exception | None] = [None] * len(plans)
+
+        def ask(where: str) -> bool:
+            """Ask the rows still running; True once every row has stopped."""
+            for i, check in enumerate(checks):
+                if stopped[i] is None and check is not None and check():
+                    stopped[i] = SamplingStopped(where)
+            return all(s is not None for s in stopped)
+
+        if ask("before sampling"):
+            return list(stopped)
+        ctx, noise, mask = self._batch_context(plans, schedule.guided)
 
         def eager(x, t):
             with self._autocast():
@@ -307,10 +371,67 @@ class AuKDiTSampler:
 
         graphed = None if self.graphs is None else self.graphs.velocity(ctx, noise.shape)
         velocity = eager if graphed is None else graphed
-        latents = euler_integrate(velocity, noise, schedule.grid, schedule.cfg, should_stop).float()[0]
-        if not bool(torch.isfinite(latents).all()):
-            raise RuntimeError("the DiT produced non-finite latents")
-        return latents
+        cfg = schedule.cfg
+        if schedule.guided and len(plans) > 1:
+            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=self.device)[:, None, None]
+        steps = schedule.steps
+        asked = itertools.count(2)  # euler_integrate asks before steps 2, 3, ...
+        try:
+            x = euler_integrate(velocity, noise, schedule.grid, cfg,
+                                lambda: ask(f"before step {next(asked)} of {steps}"), mask)
+        except SamplingStopped:  # every row has stopped
+            return list(stopped)
+        results: list[torch.Tensor | Exception] = []
+        for plan, row, stop in zip(plans, x.float(), stopped):
+            latents = row[: plan.frames]
+            if stop is not None:
+                results.append(stop)
+            elif not bool(torch.isfinite(latents).all()):
+                results.append(RuntimeError("the DiT produced non-finite latents"))
+            else:
+                results.append(latents)
+        return results
+
+    def _batch_context(self, plans: list[Plan], guided: bool):
+        """The run's DiT context, its initial noise [B, n, C] and its target mask [B, n] (None
+        when nothing is padded).
+
+        Every row is padded at its end to the longest prompt, reference and target, and
+        masked (key masks, squeezed rotary positions, re-zeroed conv padding): no padded
+        frame or token reaches a valid one. Unpadded rows (and a run of one) take no masks,
+        exactly as a request alone. A row without a reference among rows with one gets a
+        reference of masked frames, which no valid position sees either."""
+        device, B = self.device, len(plans)
+        nt = max(p.text.shape[0] for p in plans)
+        n = max(p.frames for p in plans)
+        refs = [p.ref for p in plans]
+        np_ = max((r.shape[0] for r in refs if r is not None), default=0)
+        padded = any(p.text.shape[0] != nt or p.frames != n for p in plans) or (
+            np_ > 0 and any(r is None or r.shape[0] != np_ for r in refs)
+        )
+        text = torch.zeros(B, nt, self.text_dim, dtype=self.dtype, device=device)
+        c_mask = torch.zeros(B, nt, dtype=torch.bool, device=device)
+        mask = torch.zeros(B, n, dtype=torch.bool, device=device) if padded else None
+        noise = torch.zeros(B, n, self.latent_dim, dtype=torch.float32, device=device)
+        ref = ref_mask = None
+        if np_:
+            ref = torch.zeros(B, np_, self.latent_dim, dtype=torch.float32, device=device)
+            ref_mask = torch.zeros(B, np_, dtype=torch.bool, device=device) if padded else None
+        for i, plan in enumerate(plans):
+            tokens = plan.text.shape[0]
+            text[i, :tokens] = plan.text.to(device=device, dtype=self.dtype)
+            c_mask[i, :tokens] = True
+            # Each row's own noise from its own seed, zero-padded: independent of the batch.
+            noise[i, : plan.frames] = initial_noise(plan.frames, self.latent_dim, plan.seed, device)[0]
+            if mask is not None:
+                mask[i, : plan.frames] = True
+            if plan.ref is not None:
+                ref[i, : plan.ref.shape[0]] = plan.ref.to(device=device, dtype=torch.float32)
+                if ref_mask is not None:
+                    ref_mask[i, : plan.ref.shape[0]] = True
+        with self._autocast():
+            ctx = self.model.prepare(text, n, c_mask=c_mask, ref=ref, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
+        return ctx, noise, mask
 
 
 def load_sampler(checkpoint_dir, device="cpu", dtype=None, **kwargs) -> AuKDiTSampler:

@@ -1,22 +1,24 @@
-"""CUDA-graph replay of the DiT's velocity step, one graph per request shape.
+"""CUDA-graph replay of the DiT's velocity step, one graph per run shape.
 
 One velocity call launches over a thousand small kernels (30 blocks); at the
 released dims their launch cost, not the math, sets the step time.
-A graph captured for a shape (target frames, text tokens, reference frames,
-guided or not) replays every step of every request of that shape.
+A graph captured for a shape (rows, target frames, text tokens, reference frames,
+guided or not, padded or not) replays every step of every run of that shape.
 
-Every step of a graphed request replays the graph, the first one included
-(a new shape is warmed up and captured before its first step), so a request's
-latents do not depend on whether its graph was already cached. The inputs the
-graph reads are static buffers: the state x, the time t, and the context's text
-and reference embeddings and its text mask, which a request of a cached shape
-copies in. Contexts with audio padding masks (batched requests) run eagerly.
+Every step of a graphed run replays the graph, the first one included (a new
+shape is warmed up and captured before its first step), so a request's latents
+do not depend on whether its graph was already cached. The inputs the graph
+reads are static buffers: the state x, the time t, and every tensor of the
+context (text and reference embeddings, masks, attention biases, rotary tables),
+which a run of a cached shape copies in. A padded batch's masks differ from run
+to run while its shape stays, so they are inputs like the embeddings.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import fields
 
 import torch
 
@@ -26,12 +28,22 @@ from .transformer import AuKTransformer, DiTContext
 log = logging.getLogger(__name__)
 
 
-def graph_key(ctx: DiTContext, x_shape) -> tuple | None:
-    """The cache key of a context, or None when it cannot be graphed (padding masks)."""
-    if any(m is not None for m in (ctx.target_mask, ctx.audio_mask, ctx.joint_bias, ctx.single_bias)):
-        return None
-    prompt = None if ctx.prompt is None else tuple(ctx.prompt.shape)
-    return tuple(x_shape), tuple(ctx.c.shape), prompt, ctx.copies, ctx.c.dtype
+def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
+    """Every tensor of a context (None fields skipped), in a fixed order."""
+    tensors = []
+    for field in fields(ctx):
+        value = getattr(ctx, field.name)
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, tuple):
+            tensors.extend(value)
+    return tensors
+
+
+def graph_key(ctx: DiTContext, x_shape) -> tuple:
+    """The cache key of a context: equal keys have tensors of equal shapes, field by field."""
+    shapes = tuple(None if getattr(ctx, f.name) is None else f.name for f in fields(ctx))
+    return tuple(x_shape), ctx.copies, ctx.c.dtype, shapes, tuple(tuple(t.shape) for t in _static_tensors(ctx))
 
 
 class _GraphedStep:
@@ -48,13 +60,9 @@ class _GraphedStep:
         self.graph, self.out = capture(step, warmups=1)
 
     def load(self, ctx: DiTContext) -> None:
-        """Copy a request's own context tensors into the graph's (same shapes, by the key)."""
-        self.ctx.c.copy_(ctx.c)
-        self.ctx.c_mask.copy_(ctx.c_mask)
-        for static, own in zip(self.ctx.rope_text, ctx.rope_text):  # squeezed by the text mask
+        """Copy a run's own context tensors into the graph's (same shapes, by the key)."""
+        for static, own in zip(_static_tensors(self.ctx), _static_tensors(ctx)):
             static.copy_(own)
-        if ctx.prompt is not None:
-            self.ctx.prompt.copy_(ctx.prompt)
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The velocity, in a static buffer that the next replay overwrites: use it at once."""
@@ -65,7 +73,7 @@ class _GraphedStep:
 
 
 class DiTGraphCache:
-    """Captured velocity steps for the last `max_graphs` shapes (least recently used goes first)."""
+    """Captured velocity steps for the last `max_graphs` run shapes (least recently used goes first)."""
 
     def __init__(self, model: AuKTransformer, autocast, max_graphs: int = 4):
         self.model, self.autocast, self.max_graphs = model, autocast, max_graphs
@@ -75,7 +83,7 @@ class DiTGraphCache:
     def velocity(self, ctx: DiTContext, x_shape):
         """A graphed velocity function for this context, or None to run eagerly."""
         key = graph_key(ctx, x_shape)
-        if key is None or self.max_graphs < 1:
+        if self.max_graphs < 1:
             return None
         step = self._graphs.pop(key, None)
         if step is None:

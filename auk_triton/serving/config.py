@@ -187,6 +187,9 @@ class DiTSettings:
     max_frames: int = DEFAULT_MAX_FRAMES  # reference + target, the decoder's own limit
     enable_cuda_graphs: bool = True
     max_graphs: int = 4
+    # Requests in one sampler run (of those Triton's dynamic batcher hands over together,
+    # at most max_batch_size); 1: one request at a time, no batching.
+    max_batch_requests: int = 16
     cache_dir: Path = DEFAULT_CACHE_DIR
 
     @classmethod
@@ -202,6 +205,7 @@ class DiTSettings:
             max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 0),
+            max_batch_requests=int_parameter(params, "max_batch_requests", default.max_batch_requests, 1),
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
 

@@ -1,6 +1,9 @@
 """Triton Python-backend model `auk_dit`: text condition in, normalized AuK latents out.
 
-One response per request (not decoupled). Inputs, all without a batch axis:
+One response per request (not decoupled). Triton's dynamic batcher hands `execute`
+the requests that queued while the last runs sampled, so every input has a
+leading batch axis of 1 (one clip per request; the `auk_pipeline` ensemble adds
+and removes it itself). Inputs, after that axis:
 
 - PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
   (the encoder itself is not served here);
@@ -10,10 +13,13 @@ One response per request (not decoupled). Inputs, all without a batch axis:
   defaults otherwise; a flash checkpoint ignores them), and REF_LATENTS FP32
   [frames, 64]: a source clip's normalized latents, for editing.
 
-Output LATENTS FP32 [ceil(50 * GEN_SECONDS), 64]. A request that breaks a limit
-(duration, steps, MAX_LATENT_FRAMES, shapes, non-finite values) gets an error
-response of its own (INVALID_ARG); the model keeps serving. A request whose client
-is gone stops before sampling or at the next Euler step (CANCELLED).
+Output LATENTS FP32 [1, ceil(50 * GEN_SECONDS), 64]. The requests of one `execute`
+whose sampling can share a run (one time grid, guided or not) are sampled together,
+at most `max_batch_requests` a run, oldest run first; each run's responses are sent
+as soon as it ends. A request that breaks a limit (duration, steps,
+MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
+(INVALID_ARG) before any sampling and its batch runs without it. A request whose
+client is gone stops before sampling or at the next Euler step (CANCELLED).
 """
 
 from __future__ import annotations
@@ -26,14 +32,15 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb_utils
 
-from auk_triton.diffusion import SamplingStopped, load_sampler
+from auk_triton.diffusion import SamplingStopped, load_sampler, sampler_runs
 
 from .checkpoints import resolve_checkpoint
 from .config import DiTSettings
-from .requests import RequestCancelled, dit_plan
+from .requests import RequestCancelled, dit_plan, one_row
 from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -57,24 +64,45 @@ class TritonPythonModel:
             "LATENTS": ("latent_dim", self.sampler.latent_dim),
         })
         log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
-                     f"CUDA graphs {'on' if self.sampler.graphs else 'off'}) on {self.device} "
+                     f"CUDA graphs {'on' if self.sampler.graphs else 'off'}, up to "
+                     f"{settings.max_batch_requests} requests a run) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
+        """Plan every request, sample the plans in runs, send each run's responses as it ends.
+
+        Responses go through each request's sender (execute returns None), so a run's
+        latents reach the pipeline's decoder without waiting for the runs after it."""
+        senders = [request.get_response_sender() for request in requests]
+        planned = []  # (request index, plan)
+        for index, request in enumerate(requests):
             try:
-                plan = dit_plan(self.sampler, partial(input_array, request), self.settings.max_steps)
-                # Asked before sampling and between steps: one round trip each, next to
-                # steps that take milliseconds.
-                latents = self.sampler.generate(plan, should_stop=request.is_cancelled).to("cpu", torch.float32)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)]))
-            except SamplingStopped as stopped:
-                cancelled = RequestCancelled(f"request cancelled {stopped}")
-                responses.append(failure_response(self.name, "generation", cancelled))
+                read = one_row(partial(input_array, request))
+                planned.append((index, dit_plan(self.sampler, read, self.settings.max_steps)))
             except Exception as err:
-                responses.append(failure_response(self.name, "generation", err))
-        return responses
+                senders[index].send(failure_response(self.name, "generation", err), flags=FINAL)
+        schedules = [plan.schedule for _, plan in planned]
+        for run in sampler_runs(schedules, self.settings.max_batch_requests):
+            rows = [planned[i] for i in run]
+            try:
+                # Asked before sampling and between steps, per row: one round trip each, next
+                # to steps that take milliseconds.
+                results = self.sampler.generate_batch(
+                    [plan for _, plan in rows], [requests[index].is_cancelled for index, _ in rows]
+                )
+            except Exception as err:  # the run itself failed (out of memory): every row of it
+                results = [err] * len(rows)
+            for (index, _), result in zip(rows, results):
+                senders[index].send(self._response(result), flags=FINAL)
+        return None
+
+    def _response(self, result):
+        if isinstance(result, SamplingStopped):
+            return failure_response(self.name, "generation", RequestCancelled(f"request cancelled {result}"))
+        if isinstance(result, Exception):
+            return failure_response(self.name, "generation", result)
+        latents = result.to("cpu", torch.float32)[None]  # the batch axis of one clip
+        return pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)])
 
     def finalize(self):
         self.sampler = None

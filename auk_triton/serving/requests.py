@@ -144,8 +144,29 @@ def _seconds(value: np.float32) -> float:
     return float(str(np.float32(value)))
 
 
+def one_row(read: Callable[[str], np.ndarray | None]) -> Callable[[str], np.ndarray | None]:
+    """A reader of a batching model's request (every input [1, ...]) that drops the batch axis.
+
+    `auk_dit` batches requests with Triton's dynamic batcher, which gives each input a
+    leading batch axis; a request carries one clip, so that axis must be 1."""
+
+    def read_row(name: str) -> np.ndarray | None:
+        array = read(name)
+        if array is None:
+            return None
+        if array.ndim == 0 or array.shape[0] != 1:
+            raise RequestError(
+                f"{name} has shape {list(array.shape)}: a request carries one clip, with a batch axis of 1 "
+                "(send more clips as more requests: the model batches them)"
+            )
+        return array[0]
+
+    return read_row
+
+
 def dit_plan(sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int) -> Plan:
-    """Check an `auk_dit` request (`read(name)`: the input's array, or None) and plan it."""
+    """Check an `auk_dit` request (`read(name)`: the input's array without the batch axis, or
+    None) and plan it."""
     text = _typed(read, "PROMPT_EMBEDS", np.float32, 2)
     # Optional where a reference is given: the target is then as long as the reference.
     seconds = _typed(read, "GEN_SECONDS", np.float32, None, required=False)

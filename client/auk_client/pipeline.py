@@ -75,11 +75,15 @@ def pipeline_inputs(
     sway: float | None = None,
     ref_latents: np.ndarray | None = None,
     check: bool = True,
+    batch_axis: bool = False,
     **extra: np.ndarray | None,
 ) -> list:
     """The InferInputs of one request (for `tritonclient.grpc` or `.http`). Unset knobs are left
     out (`seconds=None` too: a request with a reference then gets a target as long as it);
-    `extra` adds inputs by name (None: left out)."""
+    `extra` adds inputs by name (None: left out).
+
+    `batch_axis=True` gives every input a leading axis of 1, as `auk_dit` takes them (it
+    batches requests; the ensembles add that axis themselves)."""
     arrays = {"PROMPT_EMBEDS": check_prompt_embeds(prompt_embeds) if check else np.asarray(prompt_embeds)}
     if seconds is not None:
         arrays["GEN_SECONDS"] = np.array([seconds], dtype=np.float32)
@@ -96,6 +100,8 @@ def pipeline_inputs(
     types = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32"}
     inputs = []
     for name, array in arrays.items():
+        if batch_axis:
+            array = array[None]
         inp = client_module.InferInput(name, list(array.shape), types.get(array.dtype, "FP32"))
         inp.set_data_from_numpy(array)
         inputs.append(inp)
@@ -144,7 +150,7 @@ def generate_latents(
     """The normalized latents [frames, 64] that `auk_dit` returns for one request (gRPC, unary)."""
     import tritonclient.grpc as grpcclient
 
-    inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, **knobs)
+    inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, batch_axis=True, **knobs)
     url = strip_scheme(url)
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -153,4 +159,4 @@ def generate_latents(
         raise describe_grpc_error(exc, url, model, timeout) from None
     finally:
         client.close()
-    return result.as_numpy("LATENTS")
+    return result.as_numpy("LATENTS")[0]  # one clip: drop the batch axis

@@ -53,7 +53,8 @@ ENVOY_DEPLOYMENT = "auk-triton-envoy"
 CLUSTER_DOMAIN = "cluster.local"
 COREDNS_TTL_S = 5  # the kubernetes plugin's default
 # /dev/shm sizing: what one request of the longest clip puts in the Python backend's
-# shared memory, per model instance (one instance per model per GPU, one request at a time).
+# shared memory, per model instance (one instance per model per GPU; auk_dit holds up to its
+# max_batch_size requests at once, the decoders one request at a time).
 PROMPT_TOKENS = 512  # an assumed upper end for auk_dit's PROMPT_EMBEDS; the config sets none
 SHM_HEADROOM = 2  # the allocator's fragmentation and the region's growth steps
 
@@ -441,7 +442,9 @@ def shm_bytes_per_gpu() -> int:
     streaming = latents + 2 * tile  # one tile being sent while the next decodes
     dit = PROMPT_TOKENS * 2048 * 4 + 2 * latents  # prompt, reference latents, generated latents
     encode = max_frames * samples_per_frame * 4 + latents  # the source's float32 samples, its latents
-    return offline + streaming + dit + encode
+    dit_batch = int(re.search(r"^max_batch_size: (\d+)", (REPO_ROOT / "model_repository" / "auk_dit" / "config.pbtxt")
+                              .read_text(), re.M).group(1))
+    return offline + streaming + dit_batch * dit + encode
 
 
 def test_dev_shm_holds_a_ten_minute_request_per_model_instance(deployed):

@@ -53,3 +53,17 @@ def test_bf16_follows_fp32(checkpoint):
     assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
     cos = torch.nn.functional.cosine_similarity(fp32.flatten(), bf16.flatten(), dim=0)
     assert cos > 0.99
+
+
+def test_a_batched_request_follows_its_alone_result_in_bf16(checkpoint):
+    # Padded rows (prompts, targets, a reference of different lengths), graphed as served.
+    sampler = load_sampler(checkpoint, "cuda", max_graphs=4)
+    requests = [_request(3, 0.6, 7), _request(4, 0.3, 4), _request(5, 0.5, 9, ref=True)]
+    for knobs in (dict(guidance=0.0), dict(guidance=2.0)):
+        rows = sampler.generate_batch([sampler.plan(Request(**{**r.__dict__, **knobs})) for r in requests])
+        for request, row in zip(requests, rows):
+            alone = sampler.generate(Request(**{**request.__dict__, **knobs}))
+            cos = torch.nn.functional.cosine_similarity(row.flatten(), alone.flatten(), dim=0)
+            rel = float((row - alone).abs().max() / alone.abs().max())
+            print(f"bf16 batched vs alone {knobs}: max error {rel:.2e} of the largest value, cosine {float(cos):.6f}")
+            assert cos > 0.999 and rel < 0.05, (knobs, rel, float(cos))

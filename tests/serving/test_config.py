@@ -162,6 +162,7 @@ def test_a_config_that_leaves_every_parameter_out_gets_the_documented_defaults(t
     dit = DiTSettings.from_model_config({}, tmp_path, environ={})
     assert (dit.dtype, dit.max_steps, dit.max_frames, dit.max_graphs, dit.enable_cuda_graphs) == (
         "auto", 1000, 30000, 4, True)
+    assert dit.max_batch_requests == 16
 
 
 def test_the_launcher_and_the_models_take_the_same_cache_folder(tmp_path):

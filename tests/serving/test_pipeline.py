@@ -90,11 +90,11 @@ def test_dit_over_http(pipeline_server):
     embeds = random_prompt_embeds(3, seed=2)
     client = httpclient.InferenceServerClient(pipeline_server.http_url, network_timeout=120)
     try:
-        result = client.infer("auk_dit", pipeline_inputs(httpclient, embeds, 0.2, 4, num_steps=2))
+        result = client.infer("auk_dit", pipeline_inputs(httpclient, embeds, 0.2, 4, num_steps=2, batch_axis=True))
     finally:
         client.close()
     np.testing.assert_array_equal(
-        result.as_numpy("LATENTS"), generate_latents(embeds, 0.2, 4, url=pipeline_server.grpc_url, num_steps=2)
+        result.as_numpy("LATENTS")[0], generate_latents(embeds, 0.2, 4, url=pipeline_server.grpc_url, num_steps=2)
     )
 
 
@@ -134,7 +134,7 @@ def test_missing_inputs_are_refused(pipeline_server):
 
     from auk_client.pipeline import pipeline_inputs
 
-    inputs = pipeline_inputs(grpcclient, random_prompt_embeds(2, seed=0), 0.2, 0)
+    inputs = pipeline_inputs(grpcclient, random_prompt_embeds(2, seed=0), 0.2, 0, batch_axis=True)
     client = grpcclient.InferenceServerClient(pipeline_server.grpc_url)
     try:
         with pytest.raises(Exception, match="SEED"):
@@ -152,8 +152,10 @@ OVERFLOWING_EMBEDS = np.full((2, 2048), 3e38, np.float32)
 OVERFLOW_FAILURE = "generation failed: RuntimeError: the DiT produced non-finite latents"
 
 
-def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=None, sway=None, ref_latents=None):
-    """auk_dit's (and auk_pipeline's) inputs as `module` (tritonclient.grpc or .http) builds them."""
+def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=None, sway=None, ref_latents=None,
+               batch_axis=True):
+    """auk_dit's inputs (each with its batch axis of 1), or with `batch_axis=False` auk_pipeline's,
+    as `module` (tritonclient.grpc or .http) builds them."""
     from tritonclient.utils import np_to_triton_dtype
 
     arrays = {
@@ -168,6 +170,7 @@ def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=No
     inputs = []
     for name, array in arrays.items():
         if array is not None:
+            array = array[None] if batch_axis else array
             inputs.append(module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
             inputs[-1].set_data_from_numpy(array)
     return inputs
@@ -212,7 +215,7 @@ def test_a_dit_generation_that_fails_is_an_internal_error_and_the_model_keeps_se
         client.infer("auk_dit", dit_inputs(module, **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS}))
     assert caught.value.status() == INTERNAL[protocol], caught.value
     assert OVERFLOW_FAILURE in caught.value.message()
-    assert client.infer("auk_dit", dit_inputs(module, **dit_base())).as_numpy("LATENTS").shape == (10, 64)
+    assert client.infer("auk_dit", dit_inputs(module, **dit_base())).as_numpy("LATENTS").shape == (1, 10, 64)
 
 
 def pipeline_stream_error(url: str, **request) -> str:
@@ -226,7 +229,7 @@ def pipeline_stream_error(url: str, **request) -> str:
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: events.put(error))
-        client.async_stream_infer("auk_pipeline", dit_inputs(grpcclient, **request))
+        client.async_stream_infer("auk_pipeline", dit_inputs(grpcclient, **request, batch_axis=False))
         error = events.get(timeout=120)
         client.stop_stream()
     finally:
@@ -286,7 +289,7 @@ def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_
             assert time.monotonic() < deadline, "the model never stopped the abandoned request"
             time.sleep(0.1)
         assert int(stopped.group(2)) == steps and int(stopped.group(1)) < steps / 2, stopped.group(0)
-        assert client.infer("auk_dit", dit_inputs(grpcclient, **dit_base())).as_numpy("LATENTS").shape == (10, 64)
+        assert client.infer("auk_dit", dit_inputs(grpcclient, **dit_base())).as_numpy("LATENTS").shape == (1, 10, 64)
     finally:
         client.close()
 
@@ -383,3 +386,115 @@ def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_pa
     assert done.returncode != 0
     assert "failed to load 'auk_dit'" in done.stdout + done.stderr
     assert f"missing {codec_only / 'auk.safetensors'}" in done.stdout + done.stderr
+
+
+# ---- batching: requests that queue while auk_dit samples share its next run ----------------
+
+
+def dit_batches(url: str) -> dict[int, int]:
+    """auk_dit's executes so far by the number of requests Triton handed over at once."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics("auk_dit", as_json=True)["model_stats"][0]
+    finally:
+        client.close()
+    return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+
+
+def while_busy(url: str, work):
+    """Run `work` while a long auk_dit request keeps the model busy, so that what `work` sends
+    queues and reaches the model in one execute; the long request's latents come back too."""
+    import threading
+
+    blocker = {}
+    thread = threading.Thread(target=lambda: blocker.setdefault("latents", generate_latents(
+        random_prompt_embeds(4, seed=40), 20.0, 0, url=url, num_steps=40, guidance=0.0)))
+    thread.start()
+    try:
+        import time
+
+        time.sleep(0.5)  # the long request is sampling
+        return work()
+    finally:
+        thread.join(timeout=300)
+        assert blocker["latents"].shape == (1000, 64)
+
+
+def concurrently(calls):
+    """Each call in its own thread, started together: their results (or exceptions) in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def guarded(call):
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001  (the test looks at it)
+            return err
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(guarded, calls))
+
+
+# Prompts and durations of different lengths, one recipe (CFG 2, 3 steps): one run, padded.
+BATCHED_PIPELINE_REQUESTS = [
+    dict(prompt_embeds=random_prompt_embeds(tokens, seed=50 + i), seconds=seconds, seed=60 + i, num_steps=3)
+    for i, (tokens, seconds) in enumerate([(3, 1.0), (9, 2.6), (5, 0.3), (9, 1.7)])
+]
+
+
+def test_concurrent_pipeline_requests_share_a_run_and_each_streams_the_decode_of_its_own_latents(
+    pipeline_server,
+):
+    url = pipeline_server.grpc_url
+    before = dit_batches(url)
+    streamed = while_busy(url, lambda: concurrently(
+        [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]))
+    after = dit_batches(url)
+    grew = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    assert any(size > 1 and count for size, count in grew.items()), f"no execute of several requests: {grew}"
+    for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
+        alone = generate_latents(**request, url=url)  # sampled alone: nothing else is queued now
+        expected = assemble(list(stream_decode(alone, url=url, timeout=600)))
+        assert audio.shape == expected.shape == (alone.shape[0] * HOP,)
+        # A padded row is its request alone within fp32 rounding (tests/diffusion/test_batching.py);
+        # through the decoder the rounding stays at that size.
+        np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-4)
+
+
+def test_a_bad_request_in_a_batch_gets_its_error_and_the_rest_of_the_batch_its_latents(pipeline_server):
+    from tritonclient.utils import InferenceServerException
+
+    url = pipeline_server.grpc_url
+    good = BATCHED_PIPELINE_REQUESTS[:2]
+    bad = [({**good[0], "prompt_embeds": np.full((4, 2048), np.nan, np.float32)}, "finite"),
+           ({**good[0], "num_steps": 0}, "at least 1"),
+           ({**good[0], "prompt_embeds": OVERFLOWING_EMBEDS}, OVERFLOW_FAILURE)]  # fails in the run
+    requests = [good[0], bad[0][0], bad[1][0], good[1], bad[2][0]]
+    got = while_busy(url, lambda: concurrently(
+        [lambda r=r: generate_latents(**r, url=url, check=False) for r in requests]))
+    for (_, message), result in zip(bad, (got[1], got[2], got[4])):
+        assert isinstance(result, (AuKClientError, InferenceServerException)) and message in str(result), result
+    for request, result in zip(good, (got[0], got[3])):
+        assert isinstance(result, np.ndarray), result
+        np.testing.assert_allclose(result, generate_latents(**request, url=url), rtol=0, atol=1e-5)
+
+
+def test_a_request_of_more_than_one_clip_is_refused_naming_the_batch_axis(pipeline_server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(pipeline_server.grpc_url)
+    try:
+        inputs = dit_inputs(grpcclient, **dit_base(), batch_axis=False)
+        two = []
+        for inp, array in zip(inputs, (random_prompt_embeds(2, 0), np.array([0.2], np.float32),
+                                        np.array([0], np.int64), np.array([2], np.int32))):
+            stacked = np.stack([array, array])
+            two.append(grpcclient.InferInput(inp.name(), list(stacked.shape), inp.datatype()))
+            two[-1].set_data_from_numpy(stacked)
+        with pytest.raises(InferenceServerException, match="one clip, with a batch axis of 1") as caught:
+            client.infer("auk_dit", two)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()
