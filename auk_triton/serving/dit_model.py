@@ -64,7 +64,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                plan = dit_plan(self.sampler, partial(input_array, request), self.settings.max_steps)
+                plan = dit_plan(
+                    self.sampler, partial(input_array, request), self.settings.max_steps, self.settings.max_prompt_tokens
+                )
                 # Asked before sampling and between steps: one round trip each, next to
                 # steps that take milliseconds.
                 latents = self.sampler.generate(plan, should_stop=request.is_cancelled).to("cpu", torch.float32)

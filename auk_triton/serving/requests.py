@@ -103,9 +103,16 @@ def _seconds(value: np.float32) -> float:
     return float(str(np.float32(value)))
 
 
-def dit_plan(sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int) -> Plan:
+def dit_plan(
+    sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int,
+    max_prompt_tokens: int | None = None,
+) -> Plan:
     """Check an `auk_dit` request (`read(name)`: the input's array, or None) and plan it."""
     text = _typed(read, "PROMPT_EMBEDS", np.float32, 2)
+    if max_prompt_tokens is not None and text.shape[0] > max_prompt_tokens:
+        raise RequestError(
+            f"PROMPT_EMBEDS has {text.shape[0]} tokens; this model takes at most {max_prompt_tokens} (max_prompt_tokens)"
+        )
     seconds = _typed(read, "GEN_SECONDS", np.float32, None)
     seed = _typed(read, "SEED", np.int64, None)
     steps = _typed(read, "NUM_STEPS", np.int32, None, required=False)
