@@ -10,6 +10,7 @@ limits are small and an oversized request cheap to send.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -230,20 +231,18 @@ def test_a_stream_cancelled_through_the_front_door_stops_its_request_on_the_serv
 
 def test_the_launcher_restarts_a_tritonserver_killed_from_outside_and_is_ready_again(front, reference_vae):
     killed = front.tritonserver_pid()
-    import os
-
     os.kill(killed, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while front.is_ready():  # not ready meanwhile
         assert time.monotonic() < deadline, "still ready after its tritonserver was killed"
         time.sleep(0.05)
     status, reply = post(front.http_url, f"/v2/models/{OFFLINE}/infer", json_infer([1, 64], [0.0] * 64))
-    assert status == 503 and "killed by signal 9 (SIGKILL)" in reply["error"], reply
+    assert status == 503 and "killed by signal 9 (SIGKILL)" in reply["error"], (reply, front.log()[-3000:])
     deadline = time.monotonic() + 240
     while not front.is_ready():
         assert front.process.poll() is None, front.log()[-3000:]
         assert time.monotonic() < deadline, "not ready again:\n" + front.log()[-3000:]
         time.sleep(0.25)
     assert front.tritonserver_pid() != killed
-    assert re.search(rf"tritonserver was killed by signal 9 \(SIGKILL\) after \d+ s; restarting it in \d+ s", front.log())
+    assert re.search(r"tritonserver was killed by signal 9 \(SIGKILL\) after \d+ s; restarting it in \d+ s", front.log())
     assert_streams_the_library_decode(front, reference_vae)
