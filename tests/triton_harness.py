@@ -95,26 +95,31 @@ def closed_port() -> int:
 
 
 def copy_model_repository(
-    dest: Path, tile_frames: int | None = TEST_TILE_FRAMES, models=DECODE_MODELS, precision: str | None = "fp16"
+    dest: Path, tile_frames: int | None = TEST_TILE_FRAMES, models=DECODE_MODELS, parameters: dict | None = None,
+    precision: str | None = "fp16",
 ) -> Path:
-    """Copy the `models` of model_repository/ to `dest`, with `tile_frames` and `precision` set in
-    the decode models' CPU configs (config.pbtxt). fp16 by default: a CPU decodes in fp32 anyway
-    (and logs that it does), so the served tests that compare with the library's fp32 decode
-    check that fallback too."""
+    """Copy the `models` of model_repository/ to `dest`, with `tile_frames`, `precision` (and any
+    other config `parameters` of theirs) set in the decode models' CPU configs (config.pbtxt).
+    fp16 by default: a CPU decodes in fp32 anyway (and logs that it does), so the served tests
+    that compare with the library's fp32 decode check that fallback too."""
     source = REPO_ROOT / "model_repository"
     dest.mkdir(parents=True)
+    chosen = dict(parameters or {})
+    if tile_frames is not None:
+        chosen["tile_frames"] = tile_frames
+    if precision is not None:
+        chosen["precision"] = precision
     for model in models:
         shutil.copytree(source / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
         if model not in DECODE_MODELS:
             continue
         config = dest / model / "config.pbtxt"
-        for name, value in (("tile_frames", tile_frames), ("precision", precision)):
-            if value is not None:
-                text, count = re.subn(
-                    rf'(key: "{name}", value: \{{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text()
-                )
-                assert count == 1, f"no {name} parameter in {config}"
-                config.write_text(text)
+        for key, value in chosen.items():
+            text, count = re.subn(
+                rf'(key: "{key}", value: \{{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text()
+            )
+            assert count == 1, f"no {key} parameter in {config}"
+            config.write_text(text)
     return dest
 
 
@@ -175,15 +180,103 @@ def start_triton(
         process=process,
         first_tile_frames=served_first_window(Path(model_repository)),
     )
-    deadline = time.monotonic() + START_TIMEOUT_S
+    wait_until_ready(server)
+    return server
+
+
+@dataclass
+class FrontDoorServer(TritonServer):
+    """A server started as `make serve` starts it: the launcher's front door on the public ports,
+    tritonserver behind it on loopback (`internal_*_url`), supervised."""
+
+    internal_grpc_url: str = ""
+    internal_http_url: str = ""
+
+    def tritonserver_pid(self) -> int | None:
+        """The tritonserver the launcher started last (it logs each start)."""
+        started = re.findall(r"tritonserver started \(pid (\d+)\)", self.log())
+        return int(started[-1]) if started else None
+
+    def processes(self) -> list[int]:
+        """The launcher, its tritonserver and the server's model (stub) processes."""
+        server = self.tritonserver_pid()
+        if not server:
+            return [self.process.pid]
+        try:
+            stubs = [int(p) for p in Path(f"/proc/{server}/task/{server}/children").read_text().split()]
+        except OSError:
+            stubs = []
+        return [self.process.pid, server, *stubs]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the launcher (the front door), tritonserver and its stubs together."""
+        return sum(_rss_bytes(pid) for pid in self.processes())
+
+    def shm_bytes(self) -> int:
+        """/dev/shm in use by the server's regions (every file its tritonserver maps there)."""
+        server = self.tritonserver_pid()
+        maps = Path(f"/proc/{server}/maps").read_text() if server else ""
+        files = set(re.findall(r"(/dev/shm/\S+)$", maps, re.M))
+        return sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))
+
+    def stop(self) -> None:
+        child = self.tritonserver_pid()
+        super().stop()
+        if child and _rss_bytes(child):  # never left behind, even by a launcher that was killed
+            os.kill(child, signal.SIGKILL)
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+def start_front_door(workdir: Path, model_repository: Path, checkpoint_dir: Path, extra_args=()) -> FrontDoorServer:
+    """Start the launcher (`python -m auk_triton.serving.launcher`) on free loopback ports and wait
+    until its front door reports ready."""
+    pytest.importorskip("aiohttp")
+    launcher = pytest.importorskip("auk_triton.serving.launcher")
+    try:
+        launcher.tritonserver_executable()
+    except launcher.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    http, grpc, metrics, internal_http, internal_grpc = _free_ports(5)
+    env = dict(
+        os.environ, AUK_CHECKPOINT=str(checkpoint_dir), AUK_DEVICE="cpu", AUK_MODEL_REPOSITORY=str(model_repository),
+        AUK_ADDRESS="127.0.0.1", AUK_HTTP_PORT=str(http), AUK_GRPC_PORT=str(grpc), AUK_METRICS_PORT=str(metrics),
+        AUK_INTERNAL_HTTP_PORT=str(internal_http), AUK_INTERNAL_GRPC_PORT=str(internal_grpc),
+    )
+    env.setdefault("AUK_CACHE_DIR", str(workdir / "cache"))
+    log_path = workdir / f"launcher-{http}.log"
+    _server_logs.append(log_path)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "auk_triton.serving.launcher", "--exit-timeout-secs=5", *extra_args],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    server = FrontDoorServer(
+        grpc_url=f"127.0.0.1:{grpc}", http_url=f"127.0.0.1:{http}", metrics_url=f"127.0.0.1:{metrics}",
+        checkpoint_dir=Path(checkpoint_dir), model_repository=Path(model_repository), log_path=log_path,
+        process=process, first_tile_frames=served_first_window(Path(model_repository)),
+        internal_grpc_url=f"127.0.0.1:{internal_grpc}", internal_http_url=f"127.0.0.1:{internal_http}",
+    )
+    wait_until_ready(server, "the launcher")
+    return server
+
+
+def wait_until_ready(server: TritonServer, what: str = "tritonserver", timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while not server.is_ready():
-        if process.poll() is not None:
-            pytest.fail(f"tritonserver exited with status {process.returncode} while starting:\n{server.log()[-6000:]}")
+        if server.process.poll() is not None:
+            pytest.fail(f"{what} exited with status {server.process.returncode} while starting:\n{server.log()[-6000:]}")
         if time.monotonic() > deadline:
             server.stop()
-            pytest.fail(f"tritonserver was not ready after {START_TIMEOUT_S:.0f} s:\n{server.log()[-6000:]}")
+            pytest.fail(f"{what} was not ready after {timeout_s:.0f} s:\n{server.log()[-6000:]}")
         time.sleep(0.25)
-    return server
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,20 @@ DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second
 DEFAULT_PRESET = "auk"  # the synthetic preset served without a checkpoint
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "auk_triton"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+# The front door (front_door.py) serves the public HTTP and gRPC ports; tritonserver
+# itself listens on these, on loopback only.
+DEFAULT_INTERNAL_PORTS = {"http": 18000, "grpc": 18001}
+DEFAULT_ADDRESS = "0.0.0.0"  # where the public ports (and Triton's metrics port) listen
+DEFAULT_PROMPT_TOKENS = 512  # auk_dit's longest text condition, in tokens
+# The Python backend's shared-memory pool per model instance: room from the start for
+# the largest legitimate request, the offline model's 10-minute clip (its latents,
+# 7.68 MB, and its float32 waveform, 57.6 MB, at once), and growth in 8 MiB steps.
+SHM_DEFAULT_BYTES = 72 * 2**20
+SHM_GROWTH_BYTES = 8 * 2**20
+# The launcher restarts a tritonserver that died after 1 s, then 2, 4, ... up to 30 s;
+# a server that ran this long before it died starts the count again.
+RESTART_BACKOFF_S = (1.0, 30.0)
+RESTART_RESET_AFTER_S = 60.0
 DEFAULT_DEVICE = "auto"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
 # The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),
@@ -185,6 +199,7 @@ class DiTSettings:
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     max_steps: int = 1000
     max_frames: int = DEFAULT_MAX_FRAMES  # reference + target, the decoder's own limit
+    max_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     enable_cuda_graphs: bool = True
     max_graphs: int = 4
     # Requests in one sampler run (of those Triton's dynamic batcher hands over together,
@@ -203,6 +218,7 @@ class DiTSettings:
             dtype=choice_parameter(params, "dtype", default.dtype, DIT_DTYPES),
             max_steps=int_parameter(params, "max_steps", default.max_steps, 1),
             max_frames=int_parameter(params, "max_frames", default.max_frames, 1),
+            max_prompt_tokens=int_parameter(params, "max_prompt_tokens", default.max_prompt_tokens, 1),
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 0),
             max_batch_requests=int_parameter(params, "max_batch_requests", default.max_batch_requests, 1),
@@ -237,6 +253,21 @@ class EncodeSettings:
         )
 
 
+def input_row_limits(model_config: Mapping) -> dict[str, int]:
+    """The most rows (the first, variable dimension) each variable-length input of a
+    model takes, by the model's own settings: what the front door bounds requests by.
+
+    The project's tensor names tell the models apart: LATENTS is a decoder's input,
+    PROMPT_EMBEDS and REF_LATENTS are auk_dit's. An ensemble's limits are its steps'."""
+    names = {tensor["name"] for tensor in model_config.get("input", [])}
+    if "LATENTS" in names:
+        return {"LATENTS": DecodeSettings.from_model_config(model_config, "", environ={}).max_frames}
+    if "PROMPT_EMBEDS" in names:
+        dit = DiTSettings.from_model_config(model_config, "", environ={})
+        return {"PROMPT_EMBEDS": dit.max_prompt_tokens, "REF_LATENTS": dit.max_frames}
+    return {}
+
+
 def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
     """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
     environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))
@@ -267,6 +298,39 @@ def port(environ: Mapping[str, str], kind: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_PORTS[kind]}") from None
+
+
+def address(environ: Mapping[str, str] = os.environ) -> str:
+    """AUK_ADDRESS: where the public HTTP, gRPC and metrics ports listen."""
+    return environ.get("AUK_ADDRESS", "").strip() or DEFAULT_ADDRESS
+
+
+def internal_port(environ: Mapping[str, str], kind: str) -> int:
+    """AUK_INTERNAL_<KIND>_PORT (kind: http, grpc): tritonserver's own port on loopback,
+    behind the front door."""
+    name = f"AUK_INTERNAL_{kind.upper()}_PORT"
+    value = environ.get(name, "").strip()
+    if not value:
+        return DEFAULT_INTERNAL_PORTS[kind]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_INTERNAL_PORTS[kind]}") from None
+
+
+def restarts_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """AUK_RESTART: on (default), the launcher restarts a tritonserver that died; off, it
+    exits with the server's status (a container's restart policy takes over)."""
+    value = (environ.get("AUK_RESTART", "").strip() or "on").lower()
+    if value not in _TRUE | _FALSE:
+        raise ValueError(f"AUK_RESTART is {value!r}; use on or off")
+    return value in _TRUE
+
+
+def tritonserver_override(environ: Mapping[str, str] = os.environ) -> str:
+    """AUK_TRITONSERVER: a tritonserver binary to run with its own backends (the NGC
+    image's); empty: the nvidia-pytriton wheel's."""
+    return environ.get("AUK_TRITONSERVER", "").strip()
 
 
 def device_choice(environ: Mapping[str, str] = os.environ) -> str:

@@ -78,7 +78,8 @@ class TritonPythonModel:
         for index, request in enumerate(requests):
             try:
                 read = one_row(partial(input_array, request))
-                planned.append((index, dit_plan(self.sampler, read, self.settings.max_steps)))
+                planned.append((index, dit_plan(self.sampler, read, self.settings.max_steps,
+                                                self.settings.max_prompt_tokens)))
             except Exception as err:
                 senders[index].send(failure_response(self.name, "generation", err), flags=FINAL)
         schedules = [plan.schedule for _, plan in planned]

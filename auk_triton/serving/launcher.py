@@ -19,13 +19,24 @@ folder, device, models to load; the README lists them with their defaults).
 `AUK_DEVICE=gpu` (or `auto` with CUDA present) serves the models'
 `configs/gpu.pbtxt` through `--model-config-name`. A relative `AUK_CHECKPOINT`
 is made absolute here, so it means the directory the server starts in.
+
+`main` (`make serve`, the image's command) puts the front door (`front_door.py`)
+on the public HTTP and gRPC ports and runs tritonserver behind it on loopback
+(AUK_INTERNAL_*_PORT), its metrics port public. It supervises the server: one that
+dies is logged with its status and restarted after a back-off (1 s, doubling to 30 s;
+AUK_RESTART=off exits instead), and the front answers not-ready meanwhile. SIGINT
+and SIGTERM go on to tritonserver, which stops as it would alone; the launcher exits
+with its status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from . import config
@@ -94,6 +105,16 @@ def _wants_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+def served_repository(model_repository: Path | None, env: dict[str, str]) -> Path:
+    """The model repository served: `model_repository`, else AUK_MODEL_REPOSITORY or the project's."""
+    return Path(model_repository).absolute() if model_repository else config.model_repository(env, PROJECT_ROOT)
+
+
+def served_config_name(env: dict[str, str]) -> str | None:
+    """The models' config served: `configs/gpu.pbtxt` on a GPU, else None (config.pbtxt)."""
+    return GPU_CONFIG_NAME if _wants_gpu(config.device_choice(env)) else None
+
+
 def server_command(
     model_repository: Path | None = None,
     *,
@@ -112,24 +133,25 @@ def server_command(
     for kind in config.DEFAULT_PORTS:
         if kind not in ports:
             ports[kind] = config.port(env, kind)
-    if model_repository:
-        repository = Path(model_repository).absolute()
-    else:
-        repository = config.model_repository(env, PROJECT_ROOT)
+    repository = served_repository(model_repository, env)
     env["AUK_CACHE_DIR"] = str(config.environment_cache_dir(env))  # the models resolve it alike
     # A relative AUK_CHECKPOINT means the directory the server is started from, for every model.
     if env.get("AUK_CHECKPOINT", "").strip():
         env["AUK_CHECKPOINT"] = os.path.abspath(env["AUK_CHECKPOINT"].strip())
-    argv = [
-        str(tritonserver_executable()),
-        f"--model-repository={repository}",
-        f"--backend-directory={build_backend_directory(Path(env['AUK_CACHE_DIR']))}",
+    override = config.tritonserver_override(env)
+    argv = [override or str(tritonserver_executable()), f"--model-repository={repository}"]
+    if not override:  # a server of its own (the NGC image's) brings its backends
+        argv.append(f"--backend-directory={build_backend_directory(Path(env['AUK_CACHE_DIR']))}")
+    argv += [
         f"--http-port={ports['http']}",
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
+        # The Python backend's pool per model instance, for the largest legitimate tensors.
+        f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}",
+        f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}",
     ]
-    if _wants_gpu(config.device_choice(env)):
-        argv.append(f"--model-config-name={GPU_CONFIG_NAME}")
+    if served_config_name(env):
+        argv.append(f"--model-config-name={served_config_name(env)}")
     # AUK_MODELS picks the models to load; an ensemble brings up its steps itself.
     models = config.models_to_load(env)
     if models:
@@ -143,14 +165,109 @@ def server_command(
     return argv, env
 
 
+def describe_exit(status: int) -> str:
+    if status < 0:
+        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
+    return f"exited with status {status}"
+
+
+def restart_delay(failures: int) -> float:
+    """The back-off before restart number `failures` in a row (1, 2, 4, ... up to the cap)."""
+    first, cap = config.RESTART_BACKOFF_S
+    return min(cap, first * 2 ** (failures - 1))
+
+
+class Supervisor:
+    """Runs tritonserver, restarts it when it dies, and stops it on SIGINT / SIGTERM."""
+
+    def __init__(self, command: list[str], env: dict[str, str], state, restart: bool):
+        self.command, self.env, self.state, self.restart = command, env, state, restart
+        self.process = None
+        self.stopping = asyncio.Event()
+
+    def stop(self, signum: int) -> None:
+        """Forward the signal: tritonserver stops as it would alone (its exit timeout)."""
+        self.stopping.set()
+        self.state.running, self.state.why = False, "stopping"
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signum)
+
+    async def run(self) -> int:
+        failures = 0
+        while True:
+            began = time.monotonic()
+            # Its own session: a terminal's Ctrl-C reaches it once, through stop().
+            self.process = await asyncio.create_subprocess_exec(*self.command, env=self.env, start_new_session=True)
+            _say(f"tritonserver started (pid {self.process.pid})")
+            self.state.running = True
+            status = await self.process.wait()
+            ran = time.monotonic() - began
+            self.state.running = False
+            if self.stopping.is_set():
+                _say(f"tritonserver {describe_exit(status)} after the stop signal")
+                return status if status >= 0 else 128 - status
+            self.state.why = f"it {describe_exit(status)}"
+            if not self.restart:
+                _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; AUK_RESTART is off: exiting")
+                return status if status > 0 else 1
+            failures = 1 if ran >= config.RESTART_RESET_AFTER_S else failures + 1
+            delay = restart_delay(failures)
+            self.state.why += f"; restarting in {delay:g} s"
+            _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; restarting it in {delay:g} s (not ready until then)")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+                return 128 + signal.SIGTERM
+            except asyncio.TimeoutError:
+                self.state.why = f"restarting after it {describe_exit(status)}"
+
+
+def _say(text: str) -> None:
+    print(f"auk_triton.serving.launcher: {text}", flush=True)
+
+
+def front_door_setup(env: dict[str, str], extra: list[str]):
+    """(tritonserver argv and env behind the front, the front door) from AUK_* variables."""
+    from . import front_door
+
+    address = config.address(env)
+    public = {kind: config.port(env, kind) for kind in config.DEFAULT_PORTS}
+    internal = {kind: config.internal_port(env, kind) for kind in config.DEFAULT_INTERNAL_PORTS}
+    command, server_env = server_command(
+        ports={"http": internal["http"], "grpc": internal["grpc"], "metrics": public["metrics"]},
+        extra_args=[
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            f"--metrics-address={address}",  # else it follows --http-address
+            *extra,
+        ],
+        env=env,
+    )
+    limits = front_door.repository_limits(served_repository(None, env), served_config_name(env))
+    front = front_door.FrontDoor(limits, address, public, internal, front_door.UpstreamState())
+    return command, server_env, front
+
+
+async def serve(command: list[str], env: dict[str, str], front, restart: bool) -> int:
+    supervisor = Supervisor(command, env, front.state, restart)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, supervisor.stop, signum)
+    await front.start()
+    try:
+        return await supervisor.run()
+    finally:
+        await front.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     extra = list(sys.argv[1:] if argv is None else argv)
     try:
-        command, env = server_command(extra_args=extra)
+        command, env, front = front_door_setup(dict(os.environ), extra)
+        restart = config.restarts_enabled(os.environ)
     except (TritonNotFound, FileNotFoundError, ValueError) as err:
         sys.exit(f"auk_triton.serving.launcher: {err}")
-    print("auk_triton.serving.launcher:", " ".join(command), flush=True)
-    os.execve(command[0], command, env)
+    _say(" ".join(command))
+    sys.exit(asyncio.run(serve(command, env, front, restart)))
 
 
 if __name__ == "__main__":

@@ -164,10 +164,17 @@ def one_row(read: Callable[[str], np.ndarray | None]) -> Callable[[str], np.ndar
     return read_row
 
 
-def dit_plan(sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int) -> Plan:
+def dit_plan(
+    sampler: AuKDiTSampler, read: Callable[[str], np.ndarray | None], max_steps: int,
+    max_prompt_tokens: int | None = None,
+) -> Plan:
     """Check an `auk_dit` request (`read(name)`: the input's array without the batch axis, or
     None) and plan it."""
     text = _typed(read, "PROMPT_EMBEDS", np.float32, 2)
+    if max_prompt_tokens is not None and text.shape[0] > max_prompt_tokens:
+        raise RequestError(
+            f"PROMPT_EMBEDS has {text.shape[0]} tokens; this model takes at most {max_prompt_tokens} (max_prompt_tokens)"
+        )
     # Optional where a reference is given: the target is then as long as the reference.
     seconds = _typed(read, "GEN_SECONDS", np.float32, None, required=False)
     seed = _typed(read, "SEED", np.int64, None)

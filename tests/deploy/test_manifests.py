@@ -54,9 +54,9 @@ CLUSTER_DOMAIN = "cluster.local"
 COREDNS_TTL_S = 5  # the kubernetes plugin's default
 # /dev/shm sizing: what one request of the longest clip puts in the Python backend's
 # shared memory, per model instance (one instance per model per GPU; auk_dit holds up to its
-# max_batch_size requests at once, the decoders one request at a time).
-PROMPT_TOKENS = 512  # an assumed upper end for auk_dit's PROMPT_EMBEDS; the config sets none
+# max_batch_size requests at once, the decoders and the encoder one request at a time).
 SHM_HEADROOM = 2  # the allocator's fragmentation and the region's growth steps
+LAUNCHER = ["python3", "-m", "auk_triton.serving.launcher"]
 
 
 # ---- loading and rendering ------------------------------------------------------------------
@@ -140,6 +140,10 @@ class Deployed:
 
     def env(self) -> dict[str, str]:
         return {e["name"]: e["value"] for e in self.container.get("env", [])}
+
+    def launcher_env(self) -> dict[str, str]:
+        """What the launcher reads in the container: the image's ENV, then the pod's."""
+        return {**Dockerfile().env(), **self.env()}
 
     def mount(self, path: str) -> tuple[dict, dict]:
         """The Triton container's volume mount at `path` and the pod volume it mounts."""
@@ -300,8 +304,8 @@ def test_ports_agree_with_the_launcher_and_the_image(deployed):
     defaults = dict(config.DEFAULT_PORTS)  # what the launcher serves on without AUK_*_PORT
     assert deployed.ports(deployed.container) == defaults
     assert Dockerfile().expose() == set(defaults.values())
-    for kind, number in defaults.items():
-        assert deployed.flag(f"{kind}-port") == str(number)
+    for kind, number in defaults.items():  # the launcher's public ports: the front door's, and metrics
+        assert config.port(deployed.launcher_env(), kind) == number
     headless = one(s for s in deployed.services_selecting(deployed.triton["spec"]["template"]["metadata"]["labels"]))
     assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["spec"]["ports"]} == {
         kind: (number, kind) for kind, number in defaults.items()
@@ -341,11 +345,25 @@ def test_the_startup_probe_covers_the_measured_warm_up_several_times(deployed):
     assert budget >= 4 * slowest, f"startup budget {budget} s for a warm-up measured at up to {slowest} s"
 
 
+def test_the_container_runs_the_launcher_with_its_front_door_and_leaves_restarts_to_kubernetes(deployed):
+    assert Dockerfile().cmd() == LAUNCHER
+    assert deployed.args()[: len(LAUNCHER)] == LAUNCHER
+    assert all(a.startswith("--") for a in deployed.args()[len(LAUNCHER) :]), "the rest go to tritonserver"
+    # A dead tritonserver ends the container: the liveness probe and the restart policy take over.
+    assert config.restarts_enabled(deployed.launcher_env()) is False
+    assert config.restarts_enabled(Dockerfile().env()) is True
+    assert config.tritonserver_override(deployed.launcher_env()) == "/opt/tritonserver/bin/tritonserver"
+    # The front door's packages, pinned in the image as in requirements.txt (extras aside).
+    pins = lambda text: dict(re.findall(r"\b(aiohttp|tritonclient)(?:\[[^\]]*\])?==([\w.]+)", text))
+    in_image = pins(" ".join(Dockerfile().all("RUN")))
+    assert set(in_image) == {"aiohttp", "tritonclient"}
+    assert in_image == pins((REPO_ROOT / "requirements.txt").read_text())
+
+
 def test_the_model_repository_is_the_one_in_the_image(deployed):
     in_image = Dockerfile().copy_destination("model_repository")
-    assert deployed.flag("model-repository") == in_image
-    assert f"--model-repository={in_image}" in Dockerfile().cmd()
-    assert config.model_repository({}, REPO_ROOT) == MODEL_REPOSITORY  # what the launcher serves
+    assert config.model_repository(deployed.launcher_env(), REPO_ROOT) == Path(in_image)
+    assert config.model_repository({}, REPO_ROOT) == MODEL_REPOSITORY  # what `make serve` serves
 
 
 def python_models() -> list[Path]:
@@ -353,9 +371,8 @@ def python_models() -> list[Path]:
 
 
 def test_the_gpu_configs_are_served_and_exist(deployed):
-    name = deployed.flag("model-config-name")
+    name = launcher.served_config_name(deployed.launcher_env())
     assert name == launcher.GPU_CONFIG_NAME
-    assert f"--model-config-name={name}" in Dockerfile().cmd()
     assert python_models()
     for model in python_models():
         gpu_config = model / "configs" / f"{name}.pbtxt"
@@ -375,21 +392,17 @@ def test_the_pod_gets_a_gpu(deployed):
 
 
 def test_loaded_models_exist_in_the_repository(deployed):
-    explicit = [a for a in deployed.args() if a == "--model-control-mode=explicit"]
-    loaded = [a.split("=", 1)[1] for a in deployed.args() if a.startswith("--load-model=")]
-    assert bool(explicit) == bool(loaded), "--load-model needs --model-control-mode=explicit, and the other way round"
+    loaded = config.models_to_load(deployed.launcher_env())
+    assert not any(a.startswith(("--load-model", "--model-control-mode")) for a in deployed.args()), "use AUK_MODELS"
     for model in loaded:
         assert (MODEL_REPOSITORY / model / "config.pbtxt").is_file(), f"--load-model={model}: no such model"
 
 
 def test_the_codec_only_overlay_loads_the_two_decoders_and_nothing_else():
-    args = Deployed(K8S / "overlays" / "codec-only").args()
-    assert "--model-control-mode=explicit" in args
-    assert sorted(a.split("=", 1)[1] for a in args if a.startswith("--load-model=")) == [
-        "auk_vae_decode",
-        "auk_vae_decode_offline",
-    ]
-    assert args[: len(Deployed(BASE).args())] == Deployed(BASE).args()
+    overlay = Deployed(K8S / "overlays" / "codec-only")
+    assert sorted(config.models_to_load(overlay.launcher_env())) == ["auk_vae_decode", "auk_vae_decode_offline"]
+    assert config.models_to_load(Deployed(BASE).launcher_env()) == []
+    assert overlay.args() == Deployed(BASE).args()
 
 
 def test_the_image_is_the_one_compose_builds(deployed):
@@ -430,9 +443,9 @@ def quantity_bytes(text: str) -> int:
     return int(match.group(1)) * units.get(match.group(2) or "", 1)
 
 
-def shm_bytes_per_gpu() -> int:
-    """What one request of the longest clip puts in shared memory, summed over the models one
-    GPU serves (an instance each): inputs and outputs travel through /dev/shm."""
+def shm_bytes_per_gpu() -> dict[str, int]:
+    """What one request of the longest clip puts in shared memory, per model one GPU serves
+    (an instance each): inputs and outputs travel through /dev/shm."""
     max_frames = config.DEFAULT_MAX_FRAMES
     samples_per_frame = math.prod(DEFAULT_INIT_KWARGS["upsample_rates"])
     assert samples_per_frame == 480
@@ -440,23 +453,30 @@ def shm_bytes_per_gpu() -> int:
     tile = max(DEFAULT_COMPILE_SHAPES) * samples_per_frame * 4
     offline = latents + max_frames * samples_per_frame * 4  # the whole float32 waveform
     streaming = latents + 2 * tile  # one tile being sent while the next decodes
-    dit = PROMPT_TOKENS * 2048 * 4 + 2 * latents  # prompt, reference latents, generated latents
+    dit = config.DEFAULT_PROMPT_TOKENS * 2048 * 4 + 2 * latents  # prompt, reference latents, generated latents
     encode = max_frames * samples_per_frame * 4 + latents  # the source's float32 samples, its latents
     dit_batch = int(re.search(r"^max_batch_size: (\d+)", (REPO_ROOT / "model_repository" / "auk_dit" / "config.pbtxt")
                               .read_text(), re.M).group(1))
-    return offline + streaming + dit_batch * dit + encode
+    return {"auk_vae_decode_offline": offline, "auk_vae_decode": streaming, "auk_dit": dit_batch * dit,
+            "auk_vae_encode": encode}
+
+
+def test_the_shared_memory_pool_holds_the_offline_model_s_ten_minute_request_from_the_start():
+    assert config.SHM_DEFAULT_BYTES >= shm_bytes_per_gpu()["auk_vae_decode_offline"]
 
 
 def test_dev_shm_holds_a_ten_minute_request_per_model_instance(deployed):
     assert config.DEFAULT_MAX_FRAMES == 30000  # 10 minutes at 50 frames per second
     for model in python_models():
-        assert re.search(r'key: "max_frames", value: \{ string_value: "" \}', (model / "config.pbtxt").read_text()), (
-            f"{model.name} sets its own max_frames: size /dev/shm from it"
-        )
+        for key in ("max_frames", "max_prompt_tokens") if model.name == "auk_dit" else ("max_frames",):
+            assert re.search(rf'key: "{key}", value: \{{ string_value: "" \}}', (model / "config.pbtxt").read_text()), (
+                f"{model.name} sets its own {key}: size /dev/shm from it"
+            )
     mount, volume = deployed.mount("/dev/shm")
     assert volume["emptyDir"]["medium"] == "Memory"
     size = quantity_bytes(volume["emptyDir"]["sizeLimit"])
-    needed = SHM_HEADROOM * shm_bytes_per_gpu() * gpus(deployed)
+    # Each instance's pool is resident from the start (SHM_DEFAULT_BYTES) and may grow to twice its need.
+    needed = gpus(deployed) * sum(max(config.SHM_DEFAULT_BYTES, SHM_HEADROOM * need) for need in shm_bytes_per_gpu().values())
     assert size >= needed, f"/dev/shm of {size / 1e6:.0f} MB for {needed / 1e6:.0f} MB"
 
 

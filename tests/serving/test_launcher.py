@@ -10,6 +10,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
 def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on_path(tmp_path):
     server = pytest.importorskip("auk_triton.serving.launcher")
     try:
@@ -75,3 +76,43 @@ def test_auk_models_chooses_which_models_the_server_loads(chosen, loads, tmp_pat
         assert loaded == [] and "--model-control-mode=explicit" not in argv
     else:
         assert loaded == loads and "--model-control-mode=explicit" in argv
+
+
+def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legitimate_tensor(tmp_path):
+    server = pytest.importorskip("auk_triton.serving.launcher")
+    from auk_triton.serving import config
+
+    try:
+        argv, _ = server.server_command(REPO_ROOT / "model_repository", env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"})
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    offline_10_minutes = config.DEFAULT_MAX_FRAMES * 64 * 4 + config.DEFAULT_MAX_FRAMES * 480 * 4  # latents + float32 waveform
+    assert config.SHM_DEFAULT_BYTES >= offline_10_minutes
+    assert f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}" in argv
+    assert f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}" in argv
+
+
+def test_behind_the_front_door_tritonserver_listens_on_loopback_and_the_front_on_the_public_ports(tmp_path):
+    server = pytest.importorskip("auk_triton.serving.launcher")
+    env = {"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu", "AUK_HTTP_PORT": "9100",
+           "AUK_INTERNAL_GRPC_PORT": "9111", "AUK_MODEL_REPOSITORY": str(REPO_ROOT / "model_repository")}
+    try:
+        argv, _, front = server.front_door_setup(env, ["--exit-timeout-secs=60"])
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=0.0.0.0"} <= set(argv)
+    assert {"--http-port=18000", "--grpc-port=9111", "--metrics-port=8002"} <= set(argv)
+    assert argv[-1] == "--exit-timeout-secs=60"
+    assert (front.address, dict(front.ports)) == ("0.0.0.0", {"http": 9100, "grpc": 8001, "metrics": 8002})
+    assert front.limits["auk_vae_decode"].inputs["LATENTS"].bounds == (30000, 64)
+
+
+def test_a_tritonserver_of_its_own_runs_with_its_own_backends(tmp_path):
+    server = pytest.importorskip("auk_triton.serving.launcher")
+    argv, _ = server.server_command(
+        REPO_ROOT / "model_repository",
+        env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu",
+             "AUK_TRITONSERVER": "/opt/tritonserver/bin/tritonserver"},
+    )
+    assert argv[0] == "/opt/tritonserver/bin/tritonserver"
+    assert not any(a.startswith("--backend-directory=") for a in argv)

@@ -1,0 +1,543 @@
+"""The front door: the public HTTP and gRPC ports, in front of a tritonserver on loopback.
+
+Triton 2.51 trusts what a request declares. Its HTTP frontend sizes a buffer from a
+JSON input's declared shape before it reads the data (a shape of [2000000000, 64]
+aborts the server with std::bad_alloc), and its gRPC frontend takes messages of up to
+2 GB and copies them before any model sees them. Nothing in 2.51 bounds either, so
+each request passes through here first:
+
+- gRPC: grpc-core refuses a message longer than the largest legitimate request from
+  its length prefix (RESOURCE_EXHAUSTED), before buffering it. Every ModelInfer and
+  ModelStreamInfer message is parsed and its declared shapes checked against the
+  model's limits; a good one is forwarded as the bytes it came as.
+- HTTP: a body longer than its model takes is refused (413) from Content-Length, or
+  while it is read. An /infer request's declared shapes are checked against the
+  model's limits and against the data it sends (JSON values, or the binary part's
+  sizes), and generate / generate_stream inputs by their counts (400). The body is
+  then forwarded unchanged.
+
+The limits come from the model repository's configs, read once: each variable-length
+input's rows by `config.input_row_limits` (a decoder's `max_frames`, auk_dit's
+`max_prompt_tokens` and `max_frames`, an ensemble's through its steps' input maps),
+fixed dimensions as configured. Everything else (health, metadata, shared memory,
+statistics) passes through. While tritonserver is down, health answers 503 and other
+requests 503 / UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Mapping
+
+from . import config
+
+# Triton's datatypes and their sizes in bytes; BYTES (strings) has none.
+DATATYPE_BYTES = {
+    "BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2,
+    "UINT32": 4, "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8, "BYTES": None,
+}
+# Room for a request's JSON header, names and parameters next to its tensors' bytes.
+HEADER_ALLOWANCE = 64 * 1024
+# A JSON value takes at most this many characters (float32 written as a double's repr,
+# a separator, spaces): a JSON body may be this much longer than its tensors' count.
+JSON_BYTES_PER_VALUE = 32
+# Bodies of the other routes (load, shared-memory registration, settings) are small.
+CONTROL_BODY_BYTES = 1024 * 1024
+GRPC_SERVICE = "/inference.GRPCInferenceService/"
+HOP_HEADERS = {"host", "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+
+
+class Refused(Exception):
+    """A request the front door does not forward; the message goes back to the client."""
+
+    def __init__(self, message: str, http_status: int = 400):
+        super().__init__(message)
+        self.http_status = http_status
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputLimit:
+    name: str
+    datatype: str  # Triton's name: FP32, INT64, ...
+    bounds: tuple[int | None, ...]  # the most each dimension takes; None: unbounded
+    source: str  # what sets the variable bound, for messages ("max_frames")
+
+    def max_elements(self) -> int | None:
+        return None if None in self.bounds else math.prod(self.bounds)
+
+    def max_bytes(self) -> int | None:
+        size = DATATYPE_BYTES.get(self.datatype)
+        elements = self.max_elements()
+        return None if size is None or elements is None else elements * size
+
+    def check(self, model: str, datatype: str, shape) -> int:
+        """The element count of a declared shape within these bounds; Refused otherwise."""
+        if datatype != self.datatype:
+            raise Refused(f"inference input '{self.name}' data-type is '{datatype}', but model '{model}' expects '{self.datatype}'")
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise Refused(f"input '{self.name}' of model '{model}' declares shape {shape!r}: a list of integers is needed")
+        if len(shape) != len(self.bounds) or any(d < 0 for d in shape) or any(
+            bound is not None and d > bound for d, bound in zip(shape, self.bounds)
+        ):
+            most = [("-1" if b is None else str(b)) for b in self.bounds]
+            raise Refused(
+                f"input '{self.name}' of model '{model}' declares shape {list(shape)}; "
+                f"this model takes at most [{', '.join(most)}] ({self.source})"
+            )
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    name: str
+    inputs: dict[str, InputLimit]
+
+    def input(self, name: str) -> InputLimit:
+        if name not in self.inputs:
+            raise Refused(f"unexpected inference input '{name}' for model '{self.name}'")
+        return self.inputs[name]
+
+    def max_bytes(self) -> int:
+        """The longest binary request (HTTP binary extension, a gRPC message)."""
+        sizes = [limit.max_bytes() for limit in self.inputs.values()]
+        if None in sizes:  # an unbounded input: only the largest of all the models bounds it
+            return 0
+        return HEADER_ALLOWANCE + sum(sizes)
+
+    def max_json_bytes(self) -> int:
+        counts = [limit.max_elements() for limit in self.inputs.values()]
+        return 0 if None in counts else HEADER_ALLOWANCE + JSON_BYTES_PER_VALUE * sum(counts)
+
+
+def _datatype(config_type: str) -> str:
+    name = config_type.removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
+
+
+def model_limits(model_config: Mapping, step_limits: Mapping[str, ModelLimits] | None = None) -> ModelLimits:
+    """A model's input limits from its config (Triton's JSON form): rows from the model's
+    settings, and for an ensemble from the step each input feeds."""
+    name = model_config["name"]
+    rows = config.input_row_limits(model_config)
+    inputs = {}
+    for tensor in model_config.get("input", []):
+        dims = [int(d) for d in tensor.get("dims", [])]
+        bounds = [d if d >= 0 else rows.get(tensor["name"]) for d in dims]
+        source = "its config's dims" if all(d >= 0 for d in dims) else _row_source(tensor["name"])
+        inherited = _step_input(model_config, tensor["name"], step_limits or {})
+        if inherited is not None:
+            bounds, source = list(inherited.bounds), inherited.source
+        if int(model_config.get("max_batch_size", 0) or 0) > 0:
+            bounds.insert(0, int(model_config["max_batch_size"]))
+        inputs[tensor["name"]] = InputLimit(tensor["name"], _datatype(tensor["data_type"]), tuple(bounds), source)
+    return ModelLimits(name, inputs)
+
+
+def _row_source(input_name: str) -> str:
+    return {"LATENTS": "max_frames", "REF_LATENTS": "max_frames", "PROMPT_EMBEDS": "max_prompt_tokens"}.get(
+        input_name, "no limit configured"
+    )
+
+
+def _step_input(model_config: Mapping, name: str, step_limits: Mapping[str, ModelLimits]) -> InputLimit | None:
+    """The limit of the ensemble step input that ensemble tensor `name` feeds, if any."""
+    for step in (model_config.get("ensemble_scheduling") or {}).get("step", []):
+        step_model = step_limits.get(step["model_name"])
+        for step_input, tensor in (step.get("input_map") or {}).items():
+            if tensor == name and step_model is not None and step_input in step_model.inputs:
+                return step_model.inputs[step_input]
+    return None
+
+
+def read_model_config(model_dir: Path, config_name: str | None = None) -> dict:
+    """A model's config file as Triton would load it (configs/<config_name>.pbtxt when it
+    exists, else config.pbtxt), in Triton's JSON form."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = model_dir / "configs" / f"{config_name}.pbtxt" if config_name else None
+    if path is None or not path.is_file():
+        path = model_dir / "config.pbtxt"
+    message = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    as_dict = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    as_dict.setdefault("name", model_dir.name)
+    return as_dict
+
+
+def repository_limits(repository: Path, config_name: str | None = None) -> dict[str, ModelLimits]:
+    """Every model's limits in a model repository; ensembles after the models they use."""
+    configs = {
+        d.name: read_model_config(d, config_name) for d in sorted(Path(repository).iterdir()) if (d / "config.pbtxt").is_file()
+    }
+    limits: dict[str, ModelLimits] = {}
+    for name, model_config in sorted(configs.items(), key=lambda item: "ensemble_scheduling" in item[1]):
+        limits[name] = model_limits(model_config, limits)
+    return limits
+
+
+def max_message_bytes(limits: Mapping[str, ModelLimits]) -> int:
+    """The longest request any model takes: the gRPC message limit."""
+    return max([HEADER_ALLOWANCE] + [m.max_bytes() for m in limits.values()])
+
+
+def max_body_bytes(limits: Mapping[str, ModelLimits]) -> int:
+    """The longest HTTP body any model takes (JSON is the longer form)."""
+    return max([CONTROL_BODY_BYTES, max_message_bytes(limits)] + [m.max_json_bytes() for m in limits.values()])
+
+
+# ---- checking a request -----------------------------------------------------------------------
+
+
+def count_values(data) -> int:
+    """How many values a JSON `data` field holds (nested lists or flat)."""
+    if not isinstance(data, list):
+        return 1
+    if data and isinstance(data[0], list):
+        return sum(count_values(item) for item in data)
+    return len(data)
+
+
+def _model(limits: Mapping[str, ModelLimits], name: str) -> ModelLimits:
+    if name not in limits:
+        raise Refused(f"Request for unknown model: '{name}' is not found", http_status=404)
+    return limits[name]
+
+
+def check_http_infer(model: ModelLimits, header: Mapping, binary_bytes: int | None) -> None:
+    """An HTTP /infer request's JSON header against the model's limits and the data it sends;
+    `binary_bytes`: the length of the binary part (None: a JSON-only body)."""
+    inputs = header.get("inputs") if isinstance(header, Mapping) else None
+    if not isinstance(inputs, list):
+        raise Refused("the request has no 'inputs' list")
+    declared_binary = 0
+    for tensor in inputs:
+        if not isinstance(tensor, Mapping):
+            raise Refused("each of 'inputs' must be an object")
+        limit = model.input(tensor.get("name"))
+        elements = limit.check(model.name, tensor.get("datatype"), tensor.get("shape"))
+        parameters = tensor.get("parameters") or {}
+        if "binary_data_size" in parameters:
+            size = parameters["binary_data_size"]
+            expected = DATATYPE_BYTES.get(limit.datatype)
+            if not isinstance(size, int) or size < 0 or (expected is not None and size != elements * expected):
+                raise Refused(
+                    f"input '{limit.name}' declares shape {tensor['shape']} ({elements} values) "
+                    f"but binary_data_size {size!r}"
+                )
+            declared_binary += size
+        elif "data" in tensor:
+            count = count_values(tensor["data"])
+            if count != elements:
+                raise Refused(
+                    f"input '{limit.name}' declares shape {tensor['shape']} ({elements} values) "
+                    f"but its data holds {count}"
+                )
+    if declared_binary != (binary_bytes or 0):
+        raise Refused(f"the inputs declare {declared_binary} bytes of binary data; the request sends {binary_bytes or 0}")
+
+
+def check_http_generate(model: ModelLimits, body: Mapping) -> None:
+    """A generate / generate_stream body: each input (a JSON value or flat array) within its limit."""
+    if not isinstance(body, Mapping):
+        raise Refused("the request body must be a JSON object")
+    for name, limit in model.inputs.items():
+        if name in body:
+            count, most = count_values(body[name]), limit.max_elements()
+            if most is not None and count > most:
+                raise Refused(f"input '{name}' of model '{model.name}' holds {count} values; it takes at most {most} ({limit.source})")
+
+
+def check_grpc_infer(limits: Mapping[str, ModelLimits], request) -> None:
+    """A ModelInferRequest's declared shapes against its model's limits."""
+    model = _model(limits, request.model_name)
+    for tensor in request.inputs:
+        model.input(tensor.name).check(model.name, tensor.datatype, list(tensor.shape))
+
+
+def _log(text: str) -> None:
+    print(f"auk_triton.serving.front_door: {text}", file=sys.stderr, flush=True)
+
+
+# ---- the HTTP front -------------------------------------------------------------------------
+
+
+class HttpFront:
+    """aiohttp handlers: check, then forward to tritonserver's HTTP port."""
+
+    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: "UpstreamState"):
+        self.limits, self.upstream, self.state = limits, upstream, state
+        self.session = None
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(client_max_size=max_body_bytes(self.limits))
+        app.router.add_route("POST", "/v2/models/{model}/infer", self.infer)
+        app.router.add_route("POST", "/v2/models/{model}/versions/{version}/infer", self.infer)
+        for kind in ("generate", "generate_stream"):
+            app.router.add_route("POST", f"/v2/models/{{model}}/{kind}", self.generate)
+            app.router.add_route("POST", f"/v2/models/{{model}}/versions/{{version}}/{kind}", self.generate)
+        app.router.add_route("GET", "/v2/health/{kind}", self.health)
+        app.router.add_route("*", "/{tail:.*}", self.other)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, app) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+        )
+
+    async def _close(self, app) -> None:
+        await self.session.close()
+
+    @staticmethod
+    def refusal(err: Refused):
+        from aiohttp import web
+
+        return web.json_response({"error": str(err)}, status=err.http_status)
+
+    async def _body(self, request, most: int, what: str = "this route") -> bytes:
+        """The request body, refused (413) past `most` bytes, from Content-Length or as read."""
+        if request.content_length is not None and request.content_length > most:
+            raise Refused(f"the request body is {request.content_length} bytes; {what} takes at most {most}", 413)
+        chunks, length = [], 0
+        while chunk := await request.content.readany():  # decompressed when the client compressed it
+            length += len(chunk)
+            if length > most:
+                raise Refused(f"the request body is over {most} bytes; {what} takes at most {most}", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def infer(self, request):
+        try:
+            model = _model(self.limits, request.match_info["model"])
+            header_length = request.headers.get("Inference-Header-Content-Length")
+            binary = header_length is not None
+            most = (model.max_bytes() if binary else model.max_json_bytes()) or max_body_bytes(self.limits)
+            what = f"model '{model.name}' {'with binary tensors' if binary else 'in JSON'}"
+            body = await self._body(request, most, what)
+            if header_length is not None:
+                if not header_length.isdigit() or int(header_length) > len(body):
+                    raise Refused(f"Inference-Header-Content-Length is {header_length!r} for a body of {len(body)} bytes")
+                header, binary = _json(body[: int(header_length)]), len(body) - int(header_length)
+            else:
+                header, binary = _json(body), None
+            check_http_infer(model, header, binary)
+        except Refused as err:
+            _log(f"refused {request.method} {request.path}: {err}")
+            return self.refusal(err)
+        return await self.forward(request, body)
+
+    async def generate(self, request):
+        try:
+            model = _model(self.limits, request.match_info["model"])
+            body = await self._body(request, model.max_json_bytes() or max_body_bytes(self.limits), f"model '{model.name}'")
+            check_http_generate(model, _json(body))
+        except Refused as err:
+            _log(f"refused {request.method} {request.path}: {err}")
+            return self.refusal(err)
+        return await self.forward(request, body, stream=request.path.endswith("_stream"))
+
+    async def health(self, request):
+        if not self.state.running:
+            return self.refusal(Refused(f"tritonserver is not running ({self.state.why})", 503))
+        return await self.forward(request, b"")
+
+    async def other(self, request):
+        try:
+            body = await self._body(request, CONTROL_BODY_BYTES)
+        except Refused as err:
+            return self.refusal(err)
+        return await self.forward(request, body)
+
+    async def forward(self, request, body: bytes, stream: bool = False):
+        import aiohttp
+        from aiohttp import web
+
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        try:
+            async with self.session.request(
+                request.method, f"{self.upstream}{request.path_qs}", data=body, headers=headers
+            ) as reply:
+                kept = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS}
+                if reply.headers.get("Content-Encoding"):
+                    kept["Content-Encoding"] = reply.headers["Content-Encoding"]
+                if not stream:
+                    return web.Response(status=reply.status, body=await reply.read(), headers=kept)
+                response = web.StreamResponse(status=reply.status, headers=kept)
+                await response.prepare(request)
+                async for chunk in reply.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except aiohttp.ClientConnectionError as err:
+            if stream and "response" in locals() and response.prepared:
+                raise  # mid-stream: the client sees its stream cut
+            return self.refusal(Refused(f"tritonserver is not reachable ({self.state.why or err})", 503))
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise Refused(f"the request body is not valid JSON: {err}") from None
+
+
+# ---- the gRPC front -------------------------------------------------------------------------
+
+
+class GrpcFront:
+    """A grpc.aio generic handler: every method of Triton's service forwarded as bytes;
+    ModelInfer and each ModelStreamInfer message checked first."""
+
+    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: "UpstreamState"):
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        self.grpc, self.pb = grpc, service_pb2
+        self.limits, self.state = limits, state
+        # Responses (a 10-minute float32 waveform is 57.6 MB) are not limited here.
+        self.channel = grpc.aio.insecure_channel(
+            upstream, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        )
+        self.calls: dict[str, object] = {}
+
+    def handler(self):
+        grpc = self.grpc
+        front = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                if not details.method.startswith(GRPC_SERVICE):
+                    return None
+                if details.method.endswith("/ModelStreamInfer"):
+                    return grpc.stream_stream_rpc_method_handler(front.stream)
+                # A partial of a coroutine function: grpc.aio awaits it on its loop.
+                return grpc.unary_unary_rpc_method_handler(partial(front.unary, details.method))
+
+        return Handler()
+
+    def _call(self, method: str, streaming: bool = False):
+        if method not in self.calls:
+            make = self.channel.stream_stream if streaming else self.channel.unary_unary
+            self.calls[method] = make(method)
+        return self.calls[method]
+
+    @staticmethod
+    def _metadata(context):
+        return tuple((k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-")) and k not in ("user-agent", "content-type", "te"))
+
+    def _refusal(self, data: bytes) -> str | None:
+        try:
+            check_grpc_infer(self.limits, self.pb.ModelInferRequest.FromString(data))
+        except Refused as err:
+            return str(err)
+        except Exception as err:  # not a ModelInferRequest at all
+            return f"the request is not a ModelInferRequest: {err}"
+        return None
+
+    async def unary(self, method: str, data: bytes, context):
+        if method.endswith("/ModelInfer"):
+            refusal = self._refusal(data)
+            if refusal:
+                _log(f"refused ModelInfer: {refusal}")
+                await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        call = self._call(method)(data, metadata=self._metadata(context), timeout=context.time_remaining())
+        try:
+            return await call
+        except self.grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), err.details() or "")
+        finally:
+            call.cancel()  # a no-op once done; cancels upstream when this client went away
+
+    async def stream(self, requests, context):
+        call = self._call(GRPC_SERVICE + "ModelStreamInfer", streaming=True)(
+            metadata=self._metadata(context), timeout=context.time_remaining()
+        )
+        lock = asyncio.Lock()
+
+        async def send(message: bytes) -> None:
+            async with lock:
+                await context.write(message)
+
+        async def pump() -> None:
+            async for data in requests:
+                refusal = self._refusal(data)
+                if refusal:  # Triton's way of failing one request of a stream
+                    _log(f"refused ModelStreamInfer request: {refusal}")
+                    await send(self.pb.ModelStreamInferResponse(error_message=refusal).SerializeToString())
+                else:
+                    await call.write(data)
+            await call.done_writing()
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            async for message in call:
+                await send(message)
+            await pumping
+        except self.grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), err.details() or "")
+        finally:
+            pumping.cancel()
+            call.cancel()  # the client went away or cancelled: so does the upstream call
+
+
+# ---- the whole front ------------------------------------------------------------------------
+
+
+class UpstreamState:
+    """What the supervisor tells the front: whether tritonserver runs, and why not."""
+
+    def __init__(self):
+        self.running = False
+        self.why = "starting"
+
+
+@dataclass
+class FrontDoor:
+    limits: Mapping[str, ModelLimits]
+    address: str
+    ports: Mapping[str, int]  # public: http, grpc
+    upstream_ports: Mapping[str, int]  # tritonserver's, on loopback
+    state: UpstreamState
+
+    async def start(self) -> None:
+        import grpc
+        from aiohttp import web
+
+        self.http = HttpFront(self.limits, f"http://127.0.0.1:{self.upstream_ports['http']}", self.state)
+        self.runner = web.AppRunner(self.http.app(), access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.address, self.ports["http"]).start()
+        self.grpc_front = GrpcFront(self.limits, f"127.0.0.1:{self.upstream_ports['grpc']}", self.state)
+        # grpc-core refuses a longer message from its length prefix, before reading it.
+        self.grpc_server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", max_message_bytes(self.limits)),
+                     ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
+        )
+        self.grpc_server.add_generic_rpc_handlers((self.grpc_front.handler(),))
+        if self.grpc_server.add_insecure_port(f"{self.address}:{self.ports['grpc']}") == 0:
+            raise OSError(f"cannot listen on {self.address}:{self.ports['grpc']}")
+        await self.grpc_server.start()
+        _log(
+            f"HTTP on {self.address}:{self.ports['http']}, gRPC on {self.address}:{self.ports['grpc']} -> tritonserver "
+            f"on 127.0.0.1:{self.upstream_ports['http']}/{self.upstream_ports['grpc']}; gRPC messages up to "
+            f"{max_message_bytes(self.limits)} bytes, HTTP bodies up to {max_body_bytes(self.limits)}"
+        )
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(grace=1)
+        await self.grpc_front.channel.close()
+        await self.runner.cleanup()

@@ -1,0 +1,120 @@
+"""The front door's checks, without a server: limits read from the model configs, declared
+shapes against them and against the data sent, and the launcher's restart back-off."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from auk_triton.serving import config, front_door, launcher
+from auk_triton.serving.front_door import Refused
+from auk_triton.serving.requests import RequestError, dit_plan
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def limits():
+    return front_door.repository_limits(REPO_ROOT / "model_repository")
+
+
+def latents_header(shape, data=None, **parameters) -> dict:
+    tensor = {"name": "LATENTS", "datatype": "FP32", "shape": shape}
+    if data is not None:
+        tensor["data"] = data
+    if parameters:
+        tensor["parameters"] = parameters
+    return {"inputs": [tensor]}
+
+
+def test_each_model_s_limits_come_from_its_own_settings_and_an_ensemble_s_from_its_steps(limits):
+    assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (config.DEFAULT_MAX_FRAMES, 64)
+    assert limits["auk_vae_decode_offline"].max_bytes() == front_door.HEADER_ALLOWANCE + 30000 * 64 * 4
+    assert limits["auk_dit"].inputs["PROMPT_EMBEDS"].bounds == (config.DEFAULT_PROMPT_TOKENS, 2048)
+    assert limits["auk_dit"].inputs["SEED"].bounds == (1,)
+    assert limits["auk_pipeline"].inputs == limits["auk_dit"].inputs
+    assert front_door.max_message_bytes(limits) == limits["auk_dit"].max_bytes()
+
+
+def test_a_max_frames_set_in_a_config_is_the_limit_the_front_door_applies(tmp_path):
+    from triton_harness import copy_model_repository
+
+    repository = copy_model_repository(tmp_path / "repo", parameters={"max_frames": 512})
+    limits = front_door.repository_limits(repository)
+    assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (512, 64)
+    assert front_door.max_message_bytes(limits) == front_door.HEADER_ALLOWANCE + 512 * 64 * 4
+
+
+def test_a_declared_shape_past_the_model_s_limit_is_refused_naming_the_shape_and_the_limit(limits):
+    model = limits["auk_vae_decode_offline"]
+    with pytest.raises(Refused, match=r"declares shape \[2000000000, 64\]; this model takes at most \[30000, 64\] \(max_frames\)"):
+        front_door.check_http_infer(model, latents_header([2000000000, 64], [0.0] * 192), None)
+    for shape in ([3, 64, 1], [-1, 64], [3, 65], "3,64"):
+        with pytest.raises(Refused):
+            front_door.check_http_infer(model, latents_header(shape, [0.0] * 192), None)
+    front_door.check_http_infer(model, latents_header([30000, 64], [[0.0] * 64] * 30000), None)
+
+
+def test_a_json_shape_that_does_not_match_its_data_is_refused_naming_both_counts(limits):
+    model = limits["auk_vae_decode_offline"]
+    with pytest.raises(Refused, match=r"declares shape \[3, 64\] \(192 values\) but its data holds 190"):
+        front_door.check_http_infer(model, latents_header([3, 64], [0.5] * 190), None)
+    front_door.check_http_infer(model, latents_header([3, 64], [[0.5] * 64] * 3), None)  # nested
+    front_door.check_http_infer(model, latents_header([3, 64], [0.5] * 192), None)  # flat
+
+
+def test_binary_sizes_must_match_the_declared_shape_and_the_body(limits):
+    model = limits["auk_vae_decode_offline"]
+    front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 768)
+    with pytest.raises(Refused, match="binary_data_size 700"):
+        front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=700), 700)
+    with pytest.raises(Refused, match="declare 768 bytes of binary data; the request sends 100"):
+        front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 100)
+
+
+def test_a_wrong_datatype_or_an_unknown_input_or_model_is_refused_in_triton_s_words(limits):
+    model = limits["auk_vae_decode"]
+    header = {"inputs": [{"name": "LATENTS", "datatype": "FP64", "shape": [1, 64], "data": [0.0] * 64}]}
+    with pytest.raises(Refused, match="data-type is 'FP64', but model 'auk_vae_decode' expects 'FP32'"):
+        front_door.check_http_infer(model, header, None)
+    header["inputs"][0].update(name="LATENTZ", datatype="FP32")
+    with pytest.raises(Refused, match="unexpected inference input 'LATENTZ'"):
+        front_door.check_http_infer(model, header, None)
+    with pytest.raises(Refused, match="unknown model: 'nope'"):
+        front_door._model(limits, "nope")
+
+
+def test_generate_inputs_are_counted_against_the_limit(limits):
+    model = limits["auk_vae_decode"]
+    front_door.check_http_generate(model, {"LATENTS": [0.0] * (30000 * 64)})
+    with pytest.raises(Refused, match="holds 1920064 values; it takes at most 1920000 \\(max_frames\\)"):
+        front_door.check_http_generate(model, {"LATENTS": [0.0] * (30001 * 64)})
+
+
+def test_a_grpc_request_s_declared_shape_is_checked_against_its_model(limits):
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="auk_dit")
+    tensor = request.inputs.add(name="PROMPT_EMBEDS", datatype="FP32")
+    tensor.shape.extend([513, 2048])
+    with pytest.raises(Refused, match=r"declares shape \[513, 2048\]; this model takes at most \[512, 2048\] \(max_prompt_tokens\)"):
+        front_door.check_grpc_infer(limits, request)
+    tensor.shape[0] = 512
+    front_door.check_grpc_infer(limits, request)
+
+
+def test_auk_dit_itself_refuses_more_prompt_tokens_than_max_prompt_tokens():
+    inputs = {"PROMPT_EMBEDS": np.zeros((5, 2048), np.float32)}
+    with pytest.raises(RequestError, match="PROMPT_EMBEDS has 5 tokens; this model takes at most 4 \\(max_prompt_tokens\\)"):
+        dit_plan(None, inputs.get, max_steps=10, max_prompt_tokens=4)
+
+
+def test_restarts_back_off_doubling_up_to_the_cap_and_exits_are_described():
+    first, cap = config.RESTART_BACKOFF_S
+    assert [launcher.restart_delay(n) for n in (1, 2, 3)] == [first, 2 * first, 4 * first]
+    assert launcher.restart_delay(50) == cap
+    assert launcher.describe_exit(-signal.SIGKILL) == "was killed by signal 9 (SIGKILL)"
+    assert launcher.describe_exit(1) == "exited with status 1"
