@@ -15,6 +15,7 @@ from typing import Mapping
 from auk_triton.codec import DEFAULT_COMPILE_SHAPES
 
 DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second
+SAMPLES_PER_FRAME = 480  # the released codec's hop (24 kHz, 50 frames per second)
 DEFAULT_PRESET = "auk"  # the synthetic preset served without a checkpoint
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "auk_triton"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -258,8 +259,12 @@ def input_row_limits(model_config: Mapping) -> dict[str, int]:
     model takes, by the model's own settings: what the front door bounds requests by.
 
     The project's tensor names tell the models apart: LATENTS is a decoder's input,
-    PROMPT_EMBEDS and REF_LATENTS are auk_dit's. An ensemble's limits are its steps'."""
+    PROMPT_EMBEDS and REF_LATENTS are auk_dit's, AUDIO is the encoder's (max_frames frames of
+    the released codec's hop). An ensemble's limits are its steps'."""
     names = {tensor["name"] for tensor in model_config.get("input", [])}
+    if "AUDIO" in names and "ensemble_scheduling" not in model_config:
+        frames = EncodeSettings.from_model_config(model_config, "", environ={}).max_frames
+        return {"AUDIO": frames * SAMPLES_PER_FRAME}
     if "LATENTS" in names:
         return {"LATENTS": DecodeSettings.from_model_config(model_config, "", environ={}).max_frames}
     if "PROMPT_EMBEDS" in names:

@@ -100,6 +100,7 @@ class InputLimit:
 class ModelLimits:
     name: str
     inputs: dict[str, InputLimit]
+    batching: bool = False  # the model's inputs carry a leading batch axis (max_batch_size > 0)
 
     def input(self, name: str) -> InputLimit:
         if name not in self.inputs:
@@ -128,6 +129,7 @@ def model_limits(model_config: Mapping, step_limits: Mapping[str, ModelLimits] |
     settings, and for an ensemble from the step each input feeds."""
     name = model_config["name"]
     rows = config.input_row_limits(model_config)
+    batching = int(model_config.get("max_batch_size", 0) or 0) > 0
     inputs = {}
     for tensor in model_config.get("input", []):
         dims = [int(d) for d in tensor.get("dims", [])]
@@ -136,16 +138,17 @@ def model_limits(model_config: Mapping, step_limits: Mapping[str, ModelLimits] |
         inherited = _step_input(model_config, tensor["name"], step_limits or {})
         if inherited is not None:
             bounds, source = list(inherited.bounds), inherited.source
-        if int(model_config.get("max_batch_size", 0) or 0) > 0:
-            bounds.insert(0, int(model_config["max_batch_size"]))
+        if batching:
+            # A request carries one clip: the model batches requests itself, and refuses a
+            # batch axis other than 1 (requests.one_row).
+            bounds.insert(0, 1)
         inputs[tensor["name"]] = InputLimit(tensor["name"], _datatype(tensor["data_type"]), tuple(bounds), source)
-    return ModelLimits(name, inputs)
+    return ModelLimits(name, inputs, batching)
 
 
 def _row_source(input_name: str) -> str:
-    return {"LATENTS": "max_frames", "REF_LATENTS": "max_frames", "PROMPT_EMBEDS": "max_prompt_tokens"}.get(
-        input_name, "no limit configured"
-    )
+    return {"LATENTS": "max_frames", "REF_LATENTS": "max_frames", "PROMPT_EMBEDS": "max_prompt_tokens",
+            "AUDIO": "max_frames x 480 samples"}.get(input_name, "no limit configured")
 
 
 def _step_input(model_config: Mapping, name: str, step_limits: Mapping[str, ModelLimits]) -> InputLimit | None:
@@ -154,7 +157,10 @@ def _step_input(model_config: Mapping, name: str, step_limits: Mapping[str, Mode
         step_model = step_limits.get(step["model_name"])
         for step_input, tensor in (step.get("input_map") or {}).items():
             if tensor == name and step_model is not None and step_input in step_model.inputs:
-                return step_model.inputs[step_input]
+                limit = step_model.inputs[step_input]
+                if step_model.batching:  # the ensemble adds the step's batch axis itself
+                    limit = InputLimit(limit.name, limit.datatype, limit.bounds[1:], limit.source)
+                return limit
     return None
 
 

@@ -33,10 +33,15 @@ def latents_header(shape, data=None, **parameters) -> dict:
 def test_each_model_s_limits_come_from_its_own_settings_and_an_ensemble_s_from_its_steps(limits):
     assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (config.DEFAULT_MAX_FRAMES, 64)
     assert limits["auk_vae_decode_offline"].max_bytes() == front_door.HEADER_ALLOWANCE + 30000 * 64 * 4
-    assert limits["auk_dit"].inputs["PROMPT_EMBEDS"].bounds == (config.DEFAULT_PROMPT_TOKENS, 2048)
-    assert limits["auk_dit"].inputs["SEED"].bounds == (1,)
-    assert limits["auk_pipeline"].inputs == limits["auk_dit"].inputs
-    assert front_door.max_message_bytes(limits) == limits["auk_dit"].max_bytes()
+    # auk_dit batches requests itself: each request carries a batch axis of 1, which the ensembles add.
+    assert limits["auk_dit"].inputs["PROMPT_EMBEDS"].bounds == (1, config.DEFAULT_PROMPT_TOKENS, 2048)
+    assert limits["auk_dit"].inputs["SEED"].bounds == (1, 1)
+    assert limits["auk_pipeline"].inputs["PROMPT_EMBEDS"].bounds == (config.DEFAULT_PROMPT_TOKENS, 2048)
+    assert limits["auk_pipeline"].inputs["REF_LATENTS"].bounds == (config.DEFAULT_MAX_FRAMES, 64)
+    assert limits["auk_vae_encode"].inputs["AUDIO"].bounds == (config.DEFAULT_MAX_FRAMES * 480,)
+    assert limits["auk_edit"].inputs["AUDIO"].bounds == (config.DEFAULT_MAX_FRAMES * 480,)
+    assert limits["auk_edit"].inputs["PROMPT_EMBEDS"].bounds == (config.DEFAULT_PROMPT_TOKENS, 2048)
+    assert front_door.max_message_bytes(limits) == max(limits[name].max_bytes() for name in limits)
 
 
 def test_a_max_frames_set_in_a_config_is_the_limit_the_front_door_applies(tmp_path):
@@ -99,11 +104,15 @@ def test_a_grpc_request_s_declared_shape_is_checked_against_its_model(limits):
 
     request = service_pb2.ModelInferRequest(model_name="auk_dit")
     tensor = request.inputs.add(name="PROMPT_EMBEDS", datatype="FP32")
-    tensor.shape.extend([513, 2048])
-    with pytest.raises(Refused, match=r"declares shape \[513, 2048\]; this model takes at most \[512, 2048\] \(max_prompt_tokens\)"):
+    tensor.shape.extend([1, 513, 2048])
+    with pytest.raises(Refused, match=r"declares shape \[1, 513, 2048\]; this model takes at most \[1, 512, 2048\] "
+                                      r"\(max_prompt_tokens\)"):
         front_door.check_grpc_infer(limits, request)
-    tensor.shape[0] = 512
+    tensor.shape[1] = 512
     front_door.check_grpc_infer(limits, request)
+    tensor.shape[0] = 16  # several clips in one request: the model batches requests, not clips
+    with pytest.raises(Refused, match=r"declares shape \[16, 512, 2048\]"):
+        front_door.check_grpc_infer(limits, request)
 
 
 def test_auk_dit_itself_refuses_more_prompt_tokens_than_max_prompt_tokens():
