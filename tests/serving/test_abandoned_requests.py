@@ -30,7 +30,7 @@ def window_seconds(triton, reference_vae) -> float:
     """One full window's decode, in this process, with the server's tiling: the unit of delay."""
     from auk_triton.codec.decode_graph import AuKVAEDecodeGraph
 
-    graph = AuKVAEDecodeGraph(reference_vae, tile_frames=triton.tile_frames, first_tile_frames=triton.first_tile_frames)
+    graph = AuKVAEDecodeGraph(reference_vae, tile_frames=triton.tile_frames)  # no short first window: one window
     clip = torch.from_numpy(make_latents(triton.tile_frames, seed=70))[None]
     times = []
     with torch.no_grad():
