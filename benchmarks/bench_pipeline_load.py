@@ -41,8 +41,7 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from bench_pipeline import checkpoints
-from common import heading, model_repository_copy, say, start_server
+from common import heading, model_repository_copy, percentile, recipe_checkpoints, say, start_server
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 MODES = {"off": "1", "on": ""}  # max_batch_requests: 1, or the shipped default
@@ -50,10 +49,6 @@ MODES = {"off": "1", "on": ""}  # max_batch_requests: 1, or the shipped default
 
 def recipes(base_steps: int) -> dict[str, dict]:
     return {"flash": {}, "base": dict(num_steps=base_steps, guidance=2.0, sway=-1.0)}
-
-
-def percentile(values, q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
 # ---- in process ------------------------------------------------------------------------------
@@ -214,7 +209,7 @@ def main() -> None:
         sys.exit("needs a CUDA GPU (or --device cpu --preset small to check the script)")
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-pipeline-load-"))
-    dirs = checkpoints(cache, args.preset)
+    dirs = recipe_checkpoints(cache, args.preset)
     all_recipes = recipes(args.base_steps)
     embeds = np.random.default_rng(0).standard_normal((args.tokens, 2048)).astype(np.float32)
     say(heading(f"AuK pipeline under load, {args.preset} (synthetic), {args.seconds:g} s of audio, "

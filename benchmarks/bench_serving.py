@@ -63,6 +63,7 @@ from common import (
     in_process_decode,
     model_repository_copy,
     model_seconds,
+    percentile,
     perf_analyzer_script,
     start_server,
     synthetic_checkpoint,
@@ -72,10 +73,6 @@ from common import (
 STAT_FIELDS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
 # Sample formats: the output each client asks for (None: all outputs, the float32 WAVEFORM).
 OUTPUTS = {"float32": None, "pcm16": "WAVEFORM_PCM16"}
-
-
-def percentile(values, q):
-    return float(np.percentile(np.asarray(values), q))
 
 
 def check_served(url: str, seconds: float, references: dict) -> None:

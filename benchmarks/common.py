@@ -147,6 +147,11 @@ def compile_time_breakdown(top: int = 16) -> str:
     return "; ".join(f"{name} {seconds:.1f} s" for seconds, name in phases[:top])
 
 
+def percentile(values, q: float) -> float:
+    """The q-th percentile of `values` (numpy's linear interpolation); NaN when there are none."""
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
+
+
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm()).item()

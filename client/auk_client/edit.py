@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from .pipeline import DEFAULT_PIPELINE_TIMEOUT_S, pipeline_inputs
-from .stream import DEFAULT_GRPC_URL, DEFAULT_TIMEOUT_S, BadInput, Tile, describe_grpc_error, stream_infer, strip_scheme
+from .stream import DEFAULT_GRPC_URL, DEFAULT_TIMEOUT_S, BadInput, Tile, stream_infer, unary_infer
 
 ENCODE_MODEL = "auk_vae_encode"
 EDIT_MODEL = "auk_edit"
@@ -55,15 +55,7 @@ def encode_audio(
         if array is not None:
             inputs.append(grpcclient.InferInput(name, list(array.shape), "INT64" if name == "SEED" else "FP32"))
             inputs[-1].set_data_from_numpy(array)
-    url = strip_scheme(url)
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        result = client.infer(model, inputs, client_timeout=timeout)
-    except Exception as exc:
-        raise describe_grpc_error(exc, url, model, timeout) from None
-    finally:
-        client.close()
-    return result.as_numpy("LATENTS")
+    return unary_infer(model, inputs, url, timeout).as_numpy("LATENTS")
 
 
 def stream_edit(

@@ -28,10 +28,9 @@ from .stream import (
     BadInput,
     Tile,
     check_latents,
-    describe_grpc_error,
     read_npy,
     stream_infer,
-    strip_scheme,
+    unary_infer,
 )
 
 PIPELINE_MODEL = "auk_pipeline"
@@ -151,12 +150,4 @@ def generate_latents(
     import tritonclient.grpc as grpcclient
 
     inputs = pipeline_inputs(grpcclient, prompt_embeds, seconds, seed, batch_axis=True, **knobs)
-    url = strip_scheme(url)
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        result = client.infer(model, inputs, client_timeout=timeout)
-    except Exception as exc:
-        raise describe_grpc_error(exc, url, model, timeout) from None
-    finally:
-        client.close()
-    return result.as_numpy("LATENTS")[0]  # one clip: drop the batch axis
+    return unary_infer(model, inputs, url, timeout).as_numpy("LATENTS")[0]  # one clip: drop the batch axis

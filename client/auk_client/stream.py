@@ -230,6 +230,20 @@ def stream_decode(
     return stream_infer(model, [inp], url=url, timeout=timeout, waveform=WAVEFORM_PCM16 if pcm16 else WAVEFORM)
 
 
+def unary_infer(model: str, inputs: list, url: str, timeout: float):
+    """One unary gRPC request to `model`; its InferResult, or the error described for a user."""
+    import tritonclient.grpc as grpcclient
+
+    url = strip_scheme(url)
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return client.infer(model, inputs, client_timeout=timeout)
+    except Exception as exc:
+        raise describe_grpc_error(exc, url, model, timeout) from None
+    finally:
+        client.close()
+
+
 def stream_infer(
     model: str, inputs: list, *, url: str, timeout: float, waveform: str = WAVEFORM
 ) -> Iterator[Tile]:
