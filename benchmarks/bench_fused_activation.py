@@ -8,12 +8,15 @@ of back-to-back launches rotating over buffers larger than the L2 (no launch
 overhead, cold-ish data), next to the copy bandwidth measured in the run and
 the kernel's memory floor (8 bytes per sample at 3.5 TB/s). `--sines`: each way
 of evaluating sin^2 in both kernels, with its distance from the eager module.
+`--dtype float16`: fp16 signals in and out, as the fp16 decoder runs them (the
+kernel computes in fp32 either way; the floor is then 4 bytes per sample).
 Then the whole decode (eager, fused, plain graphs, compiled buckets) per
 length, the tiled kernel at the sweep's best launch; `--channels-last` adds the
 channels-last decode, `--first-windows` the time to a long clip's first tile.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_fused_activation.py
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_fused_activation.py --sines --skip-decode
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_fused_activation.py --dtype float16 --sines --skip-decode
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_fused_activation.py --skip-per-shape \
         --buckets 64 128 512 --first-windows 0 64 128
 """
@@ -35,14 +38,21 @@ from common import copy_bandwidth, heading, latents, median_ms, rel_l2, say, syn
 # (channels, samples) of each stage's activations in the `auk` geometry at 512 frames,
 # and how many activations of that shape one decode runs.
 SHAPES_512 = [(768, 2560, 18), (384, 10240, 18), (192, 30720, 18), (96, 61440, 18), (48, 122880, 18), (24, 245760, 19)]
-FLOOR_US = {c: 8 * c * n / 3.5e12 * 1e6 for c, n, _ in SHAPES_512}  # read and write once at 3.5 TB/s
+
+def floor_us(channels: int, length: int) -> float:
+    """Reading and writing the signal once at 3.5 TB/s."""
+    return 2 * signal_dtype.itemsize * channels * length / 3.5e12 * 1e6
+
 DEFAULT = ActivationKernel()
 # The tiled kernel: (block, warps). The sliding kernel: (lanes per program, warps, chunk), the default first.
 SWEEP = [ActivationKernel(block=b, num_warps=w)
          for b, w in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]]
 CL_SWEEP = [ActivationKernel(lanes=n, channels_last_warps=w, chunk=c)
-            for n, w, c in [(128, 4, 16), (128, 4, 8), (128, 4, 32), (256, 8, 16), (64, 2, 16), (256, 4, 16)]]
+            for n, w, c in [(128, 4, 16), (128, 4, 8), (128, 4, 24), (128, 4, 32), (256, 8, 16), (64, 2, 16),
+                            (256, 4, 16), (512, 8, 16)]]
 L2_BYTES = 50 * 2**20
+SIGNAL_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+signal_dtype = torch.float32  # --dtype
 
 
 def graph_us(calls, repeats: int = 4) -> float:
@@ -71,14 +81,15 @@ def activation(channels: int) -> Activation1d:
 
 def signals(channels: int, length: int, channels_last: bool = False) -> list[torch.Tensor]:
     """Enough [1, C, L] signals to fill three L2s (at least two)."""
-    count = max(2, -(-3 * L2_BYTES // (2 * channels * length * 4)))
+    count = max(2, -(-3 * L2_BYTES // (2 * channels * length * signal_dtype.itemsize)))
     if channels_last:
-        return [torch.randn(1, length, channels, device="cuda").transpose(1, 2) for _ in range(count)]
-    return [torch.randn(1, channels, length, device="cuda") for _ in range(count)]
+        return [torch.randn(1, length, channels, device="cuda", dtype=signal_dtype).transpose(1, 2)
+                for _ in range(count)]
+    return [torch.randn(1, channels, length, device="cuda", dtype=signal_dtype) for _ in range(count)]
 
 
 def fused_us(act, buffers, kernel: ActivationKernel) -> float:
-    outs = [empty_like_layout(x) for x in buffers]
+    outs = [empty_like_layout(x, x.dtype) for x in buffers]
     return graph_us([lambda x=x, y=y: fused_activation(x, act, out=y, kernel=kernel) for x, y in zip(buffers, outs)])
 
 
@@ -96,7 +107,7 @@ def per_shape(copy_bw: float) -> ActivationKernel:
     measured: dict[ActivationKernel, int] = {}
     for channels, length, count in SHAPES_512:
         act = activation(channels)
-        nbytes = 2 * channels * length * 4  # read once, write once
+        nbytes = 2 * channels * length * signal_dtype.itemsize  # read once, write once
         buffers = signals(channels, length)
         eager = graph_us([lambda x=x: act.eager(x) for x in buffers])
         timings = {}
@@ -129,14 +140,14 @@ def per_shape(copy_bw: float) -> ActivationKernel:
         say(
             f"| {channels} @ {length} | {eager:.1f} | {fused:.1f} | {eager / fused:.1f}x | "
             f"{nbytes / fused / 1e3:.0f} | {100 * nbytes / (fused * 1e-6) / copy_bw:.0f}% | "
-            f"{FLOOR_US[channels]:.1f} | {best.block}/{best.num_warps}w {timings[best]:.1f} us | "
+            f"{floor_us(channels, length):.1f} | {best.block}/{best.num_warps}w {timings[best]:.1f} us | "
             f"{channels_last:.1f} | {cl_best.lanes} lanes/{cl_best.channels_last_warps}w chunk {cl_best.chunk} "
             f"{cl_timings[cl_best]:.1f} us |"
         )
     say(
         f"\nAll 109 activations of a 512-frame decode: eager {totals['eager'] / 1e3:.2f} ms, "
         f"fused {totals['fused'] / 1e3:.2f} ms (default launch {DEFAULT.block}/{DEFAULT.num_warps}w), "
-        f"floor {sum(count * FLOOR_US[c] for c, _, count in SHAPES_512) / 1e3:.2f} ms at 3.5 TB/s."
+        f"floor {sum(count * floor_us(c, n) for c, n, count in SHAPES_512) / 1e3:.2f} ms at 3.5 TB/s."
     )
     say(f"Channels-last kernel, all 109 activations: {totals['channels-last'] / 1e3:.2f} ms "
         f"(default launch). Sweep (lanes/warps/chunk, decode-weighted ms): " + ", ".join(
@@ -171,7 +182,7 @@ def sine_table() -> None:
         errors = {}
         for kind, chunk in columns:
             buffers = first if kind == "tiled" else last
-            outs = [empty_like_layout(x) for x in buffers]
+            outs = [empty_like_layout(x, x.dtype) for x in buffers]
             for method in methods:
                 kernel = ActivationKernel(sine=method, chunk=chunk or DEFAULT.chunk)
                 us = graph_us([lambda x=x, y=y: fused_activation(x, act, out=y, kernel=kernel)
@@ -315,15 +326,19 @@ def main() -> None:
                         help="also the decode on channels-last signals (eager, plain graph, compiled buckets)")
     parser.add_argument("--sines", action="store_true",
                         help=f"per shape, each way of evaluating sin^2 ({', '.join(SINE_METHODS)})")
+    parser.add_argument("--dtype", choices=list(SIGNAL_DTYPES), default="float32",
+                        help="the per-shape signals' dtype (in and out)")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-per-shape", action="store_true")
     args = parser.parse_args()
+    global signal_dtype
+    signal_dtype = SIGNAL_DTYPES[args.dtype]
     missing = sorted({window for window in args.first_windows if window} - set(args.buckets))
     if missing:
         parser.error(f"--first-windows {missing} must be compiled buckets: add them to --buckets {args.buckets}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    say(heading("Fused anti-aliased activation", extra=f", triton {triton.__version__}"))
+    say(heading("Fused anti-aliased activation", extra=f", triton {triton.__version__}, {args.dtype} signals"))
     began = time.perf_counter()
     bw = copy_bandwidth()
     say(f"\nDevice-to-device copy: {bw / 1e9:.0f} GB/s (read + write).")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph
+from auk_triton.serving.config import DecodeSettings
 from common import REPO_ROOT, heading, latents, median_ms, rel_l2, say, served_decoder_options, synthetic_checkpoint
 
 CONFORMANCE = REPO_ROOT / "tests" / "data" / "auk_vae_tiny"
@@ -89,7 +90,9 @@ def main() -> None:
     for precision in PRECISIONS:
         options = served_decoder_options("cuda", precision)
         vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **options)
-        graph = AuKVAEDecodeGraph(vae, compile_shapes=tuple(args.buckets))
+        # Tiled as the models tile: a long clip's first window is the smallest bucket.
+        first_window = DecodeSettings(compile_shapes=tuple(args.buckets)).first_window_frames()
+        graph = AuKVAEDecodeGraph(vae, compile_shapes=tuple(args.buckets), first_tile_frames=first_window)
         graph.warmup("cuda", on_bucket=lambda frames, seconds, ok: say(
             f"{precision}: bucket {frames} frames {'built' if ok else 'FAILED'} in {seconds:.0f} s"))
         for frames in args.buckets:

@@ -106,6 +106,16 @@ VARIANTS = {
                 fused=True, channels_last=True, dtype=torch.float16),
     15: Variant("the same in fp16 + cudnn.benchmark", fused=True, channels_last=True, dtype=torch.float16,
                 cudnn_benchmark=True),
+    16: Variant("fp16 + cudnn.benchmark, sin.approx", fused=True, channels_last=True, dtype=torch.float16,
+                cudnn_benchmark=True, sine="approx"),
+    17: Variant("fp16 + cudnn.benchmark over every algorithm (benchmark_limit 0)", fused=True, channels_last=True,
+                dtype=torch.float16, cudnn_benchmark=True, cudnn_benchmark_limit=0),
+    18: Variant("fp16 + cudnn.benchmark, no time folding", fused=True, channels_last=True, dtype=torch.float16,
+                cudnn_benchmark=True, fold=(0, 0)),
+    19: Variant("fp16 + cudnn.benchmark, folded to 96 channels", fused=True, channels_last=True,
+                dtype=torch.float16, cudnn_benchmark=True, fold=(96, 96)),
+    20: Variant("fp16 + cudnn.benchmark, under 192 channels folded to 192", fused=True, channels_last=True,
+                dtype=torch.float16, cudnn_benchmark=True, fold=(192, 192)),
 }
 
 
