@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from auk_triton.codec import DEFAULT_COMPILE_SHAPES, ActivationKernel, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
@@ -84,14 +84,14 @@ def recipe_checkpoints(root: Path, preset: str) -> dict[str, Path]:
 
 def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:
     """`AuKVAE.configure_decoder`'s options as the decode models use them by default: on a GPU
-    the fused activation kernel with its default launch, channels-last signals and the
+    the fused activation kernel with its launch for that precision, channels-last signals and the
     default precision (`precision`: fp16 or tf32). For fp16 it also turns on
     cudnn.benchmark, as the models do."""
     if device != "cuda":
         return {}
     torch.backends.cudnn.benchmark = precision == "fp16"
     dtype = torch.float16 if precision == "fp16" else torch.float32
-    return {"activation_kernel": ActivationKernel(), "channels_last": True, "dtype": dtype}
+    return {"activation_kernel": activation_kernel_for(dtype), "channels_last": True, "dtype": dtype}
 
 
 def latents(frames: int, device: str = "cpu", seed: int = SEED) -> torch.Tensor:

@@ -58,6 +58,14 @@ class ActivationKernel:
             raise ValueError(f"sine is {self.sine!r}; use one of {SINE_METHODS}")
 
 
+def activation_kernel_for(dtype: torch.dtype) -> ActivationKernel:
+    """The fused kernel's launch for a decoder whose signals are `dtype`. An fp16 decoder
+    rounds each activation's output to fp16 (2^-11 relative), far coarser than the hardware
+    sine's 1e-6 absolute error, so it takes that sine, the fastest; float32 keeps the
+    polynomial, as close to eager as the precise sinf (benchmarks/studies/fp16-decoder.md)."""
+    return ActivationKernel(sine="approx") if dtype == torch.float16 else ActivationKernel()
+
+
 def is_channels_last(x: torch.Tensor) -> bool:
     """A [N, C, L] signal whose channels are adjacent in memory ([N, L, C] storage)."""
     return x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 1

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import triton_python_backend_utils as pb_utils
 
-from auk_triton.codec import ActivationKernel, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
 from auk_triton.codec.pcm16 import to_pcm16
 
 from .checkpoints import resolve_checkpoint
@@ -216,20 +216,21 @@ class TritonPythonModel:
                         "and activations; cuDNN benchmarks its convolution algorithms)")
         else:
             log("info", f"{self.name}: decoding in tf32 (fp32 weights and signals, TF32 convolutions)")
+        dtype = torch.float16 if precision == "fp16" else torch.float32
         kernel = None
         if self.settings.fused_activation:
             try:
                 import auk_triton.codec.activation_kernel  # noqa: F401  (needs the triton package)
 
-                kernel = ActivationKernel()
-                log("info", f"{self.name}: anti-aliased activations run as one fused Triton kernel")
+                kernel = activation_kernel_for(dtype)
+                log("info", f"{self.name}: anti-aliased activations run as one fused Triton kernel "
+                            f"({kernel.sine} sine)")
             except ImportError as err:
                 log("warn", f"{self.name}: fused_activation is on but its kernel cannot load ({err}); "
                             "decoding with the eager activations")
         if self.settings.channels_last:
             log("info", f"{self.name}: decoding channels-last (cuDNN's NHWC convolutions, no transposes)")
-        return {"activation_kernel": kernel, "channels_last": self.settings.channels_last,
-                "dtype": torch.float16 if precision == "fp16" else torch.float32}
+        return {"activation_kernel": kernel, "channels_last": self.settings.channels_last, "dtype": dtype}
 
     # ---- requests -------------------------------------------------------------------------
 

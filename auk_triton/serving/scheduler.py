@@ -7,8 +7,11 @@ same order, up to that key's batch capacity:
 
 1. a request's first window, oldest request first, so first audio waits for at
    most the iteration in flight;
-2. then by deadline: the moment the audio already sent to that stream runs out
-   if it is played from its first tile on.
+2. then by deadline: the moment the audio of the windows already taken for that
+   stream runs out if it is played from its first tile on (a first tile still on
+   its way counts as played from now). A second window taken while its first tile
+   is still in flight waits its turn: counted as urgent, new requests' second
+   windows would keep the older streams waiting for as long as requests arrive.
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
@@ -94,17 +97,24 @@ class Job:
     sent_seconds: float = 0.0  # audio handed over so far
     finished: bool = False
 
-    def urgency(self) -> tuple[int, float]:
-        """Smaller is more urgent: first windows by arrival, then the rest by deadline."""
-        if self.next_window == 0 or self.first_sent is None:
+    def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
+        """Smaller is more urgent: first windows by arrival, then the rest by deadline (the
+        module docstring's order; `frame_seconds`: the audio of one latent frame)."""
+        if self.next_window == 0:
             return (0, self.arrived)
-        return (1, self.first_sent + self.sent_seconds)
+        played_from = self.first_sent if self.first_sent is not None else now
+        emitted_frames = self.windows[self.next_window - 1][3]  # tiles are contiguous from frame 0
+        return (1, played_from + emitted_frames * frame_seconds)
 
 
-def pick_batch(jobs: Sequence[Job], key_of: Callable[[Job], int], capacity: Callable[[int], int]) -> list[Job]:
+def pick_batch(
+    jobs: Sequence[Job], key_of: Callable[[Job], int], capacity: Callable[[int], int], now: float,
+    frame_seconds: float,
+) -> list[Job]:
     """The jobs whose next windows decode together next: the most urgent one, then the most
     urgent of the others with the same batch key, up to that key's capacity."""
-    ready = sorted((job for job in jobs if job.next_window < len(job.windows)), key=Job.urgency)
+    ready = sorted((job for job in jobs if job.next_window < len(job.windows)),
+                   key=lambda job: job.urgency(now, frame_seconds))
     if not ready:
         return []
     key = key_of(ready[0])
@@ -269,6 +279,8 @@ class TileScheduler:
             self._jobs,
             key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
             capacity=self.decoder.batch_capacity,
+            now=self.clock(),
+            frame_seconds=self.hop_size / self.sample_rate,
         )
         for job in batch:
             job.next_window += 1

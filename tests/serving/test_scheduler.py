@@ -156,12 +156,32 @@ def test_windows_go_by_deadline_after_the_first(scheduler_of):
         job.windows = decoder.plan(30)
         job.next_window, job.first_sent, job.sent_seconds = 1, first_sent, 0.04
     # late's audio runs out at 1.04 s, early's at 5.04 s: late is the more urgent.
-    assert pick_batch([early, late], lambda job: WINDOW, lambda key: 1) == [late]
+    assert pick(early, late, capacity=1) == [late]
     fresh = Job(clip(30, 3.0), RecordingSink([], 3.0), arrived=9.0)
     fresh.windows = decoder.plan(30)
-    assert pick_batch([early, late, fresh], lambda job: WINDOW, lambda key: 1) == [fresh], "first windows first"
-    assert pick_batch([early, late, fresh], lambda job: WINDOW, lambda key: 2) == [fresh, late]
+    assert pick(early, late, fresh, capacity=1) == [fresh], "first windows first"
+    assert pick(early, late, fresh, capacity=2) == [fresh, late]
     del scheduler
+
+
+def pick(*jobs: Job, capacity: int, now: float = 0.0) -> list[Job]:
+    """pick_batch over the stand-in's windows (one batch key; HOP samples per frame at 1 kHz)."""
+    return pick_batch(jobs, lambda job: WINDOW, lambda key: capacity, now=now, frame_seconds=HOP / 1000)
+
+
+def test_a_second_window_taken_before_its_first_tile_is_sent_waits_behind_older_streams_deadlines():
+    older = Job(clip(1000, 1.0), RecordingSink([], 1.0), arrived=0.0)
+    newer = Job(clip(30, 2.0), RecordingSink([], 2.0), arrived=2.9)
+    for job in (older, newer):
+        job.windows = StandInDecoder().plan(job.latents.shape[1])
+        job.next_window = 1
+    older.first_sent, older.sent_seconds = 1.0, 0.04  # its audio runs out at 1.04 s
+    # newer's first tile is still on its way to the host: played from now (3.0 s), its audio
+    # would run out at 3.04 s. Counted as a first window, it would go first.
+    assert pick(older, newer, capacity=1, now=3.0) == [older]
+    # Once 60 windows of older's are taken (2.4 s of audio, to 3.4 s), newer goes first.
+    older.next_window = 60
+    assert pick(older, newer, capacity=1, now=3.0) == [newer]
 
 
 def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of):
