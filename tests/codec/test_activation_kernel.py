@@ -190,10 +190,12 @@ def run_case(case, device: str, seed: int, kernel=None, io=("float32", "float32"
         op_out = fused_activation(x, act, bias=bias, kernel=kernel, out_dtype=out_dtype)
         in_fp32 = fused_activation(x, act, bias=bias, kernel=kernel, out_dtype=torch.float32)
     edge = min(EDGE, length)
-    # An fp16 store past the rounding of the kernel's own fp32 result (0 or less when every
-    # sample is within it; the absolute term covers fp16's subnormals). Against eager's result
-    # a sample may round the other way where the two fp32 results straddle a rounding midpoint.
-    bound = in_fp32.double().abs() * FP16_ROUNDING * 1.01 + 1e-7
+    # An fp16 store past the rounding of the kernel's fp32 result (0 or less when every sample
+    # is within it). That result comes from the fp32-output build of the kernel, whose fused
+    # multiply-adds may differ from the fp16 build's: the absolute term allows for that (1e-6 of
+    # the signal's scale, measured 2e-7 on the H200), and for fp16's subnormals. An fp16
+    # intermediate would be off by up to 2^-11 of each value, hundreds of times more.
+    bound = in_fp32.double().abs() * FP16_ROUNDING * 1.01 + 1e-6 * in_fp32.double().abs().max() + 1e-7
     return {
         "id": _case_id(case) + ("" if io == ("float32", "float32") else f"-{io[0]}-to-{io[1]}"),
         "out_dtype": str(written.dtype),
