@@ -184,6 +184,77 @@ def test_a_second_window_taken_before_its_first_tile_is_sent_waits_behind_older_
     assert pick(older, newer, capacity=1, now=3.0) == [newer]
 
 
+class ShortFirstWindows(StandInDecoder):
+    """The served plan's shape: a short first window (batched up to 16 rows), then longer ones
+    (one per replay); each replay takes `cost` seconds of the test's clock."""
+
+    FIRST, REST = 25, 50  # frames: 100 ms and 200 ms of audio (HOP samples a frame at 1 kHz)
+
+    def __init__(self, now: list, cost: float):
+        super().__init__()
+        self.now, self.cost = now, cost
+
+    def plan(self, frames: int):
+        windows = [(0, self.FIRST, 0, self.FIRST)]
+        for start in range(self.FIRST, frames, self.REST):
+            end = min(start + self.REST, frames)
+            windows.append((start, end - start, start, end))
+        return windows
+
+    def batch_key(self, frames: int, device) -> int:
+        return frames
+
+    def batch_capacity(self, key: int) -> int:
+        return 16 if key == self.FIRST else 1
+
+    def decode_rows(self, rows):
+        self.now[0] += self.cost
+        return super().decode_rows(rows)
+
+
+class ClosedLoopClient(RecordingSink):
+    """A client that sends its next clip the moment its last one ends, while `left` says so."""
+
+    def __init__(self, scheduler, frames: int, left: list, took: list, clock):
+        super().__init__([], 0.0)
+        self.scheduler, self.frames, self.left, self.took, self.clock = scheduler, frames, left, took, clock
+        self.sent = clock()
+        scheduler.submit(Job(clip(frames, 0.0), self))
+
+    def tile(self, start_sample, samples, last):
+        super().tile(start_sample, samples, last)
+        if last:
+            self.took.append(self.clock() - self.sent)
+            if self.left[0] > 0:
+                self.left[0] -= 1
+                ClosedLoopClient(self.scheduler, self.frames, self.left, self.took, self.clock)
+
+
+def test_in_a_closed_loop_new_requests_second_windows_do_not_starve_older_streams(scheduler_of):
+    # 16 clients of two-window clips (a 10 s clip's shape), decodes launched a window ahead as on
+    # a GPU, 1 ms a replay: after a batch of first windows, every stream's second window is due
+    # 100 ms after its first tile, and all 16 take 16 ms. Were a second window taken while its
+    # first tile is still in flight as urgent as a first window, each request that ends would
+    # put its client's next request through whole, ahead of the streams left behind in that
+    # batch, for as long as requests come (underruns, requests taking 0.8 s).
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    scheduler = scheduler_of(ShortFirstWindows(now, cost=0.001), max_active=64, clock=clock)
+    scheduler.look_ahead = True
+    frames = ShortFirstWindows.FIRST + ShortFirstWindows.REST
+    left, took = [400], []
+    for _ in range(16):
+        ClosedLoopClient(scheduler, frames, left, took, clock)
+    deadline = time.monotonic() + 60
+    while len(took) < 416:
+        assert time.monotonic() < deadline, f"{len(took)} of 416 requests ended"
+        time.sleep(0.01)
+    assert scheduler.underruns == 0, f"{scheduler.underruns} tiles came after their stream's audio ran out"
+    # Fair turns take about 32 ms of decodes a request (16 streams, two windows each); starved,
+    # some took 0.8 s. Every request ends before its first tile's 100 ms of audio run out.
+    assert max(took) < 0.1, f"a request took {max(took) * 1e3:.0f} ms of decodes"
+
+
 def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of):
     decoder = StandInDecoder(capacity=1)
     decoder.gate = threading.Event()
