@@ -58,8 +58,15 @@ def good_request_seconds(triton, model: str) -> float:
     return elapsed
 
 
-def cancel_notices(triton, model: str, since: int) -> int:
-    return sum(1 for found in CANCEL_NOTICE.finditer(triton.log()[since:]) if found.group(1) == model)
+def cancel_notices(triton, model: str, since: int, expected: int = ABANDONED) -> int:
+    """How many requests of `model` the server logged cancelled since offset `since`, waiting a
+    while for `expected` (a model's log lines reach the server's log after its responses)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = sum(1 for notice in CANCEL_NOTICE.finditer(triton.log()[since:]) if notice.group(1) == model)
+        if found >= expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("model", [STREAM_MODEL, OFFLINE_MODEL])
@@ -123,7 +130,4 @@ def test_http_requests_whose_connections_were_closed_do_not_delay_the_next_good_
         f"{delay:.2f} s of delay, more than two windows ({window_seconds:.2f} s each)"
     )
     # Each was stopped by the model (at its next window, or before its first), none decoded to its end.
-    deadline = time.monotonic() + 10
-    while cancel_notices(front_door, OFFLINE_MODEL, log_before) < ABANDONED and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert cancel_notices(front_door, OFFLINE_MODEL, log_before) == ABANDONED, front_door.log()[log_before:][-3000:]
