@@ -3,8 +3,10 @@ clients and references the served tests compare against (a pytest plugin: confte
 
 `triton` is one server for the whole run: both decode models from a copy of
 model_repository/ (with small tiles, so a short clip already spans several),
-the "small" synthetic checkpoint passed through AUK_CHECKPOINT. Tests that need
-a server of their own start it with `launch_triton`. A server's log is printed at the end
+the "small" synthetic checkpoint passed through AUK_CHECKPOINT. `front_door` is the same
+started as `make serve` starts it (the launcher's front door before a tritonserver on
+loopback), with a `max_frames` of FRONT_MAX_FRAMES, also one for the whole run. Tests that
+need a server of their own start it with `launch_triton` or `start_front_door`. A server's log is printed at the end
 of the run when anything failed.
 """
 
@@ -29,6 +31,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_TILE_FRAMES = 128
 DECODE_MODELS = ("auk_vae_decode", "auk_vae_decode_offline")
+FRONT_MAX_FRAMES = 256  # the front_door server's limit: small, so an oversized request is cheap to send
 START_TIMEOUT_S = float(os.environ.get("AUK_TEST_SERVER_TIMEOUT", "300"))
 
 _server_logs: list[Path] = []
@@ -304,6 +307,16 @@ def launch_triton(tmp_path_factory):
 @pytest.fixture(scope="session")
 def triton(launch_triton, small_checkpoint) -> TritonServer:
     return launch_triton("triton", small_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def front_door(tmp_path_factory, small_checkpoint) -> FrontDoorServer:
+    """The launcher's front door and its tritonserver, both decode models, max_frames FRONT_MAX_FRAMES."""
+    workdir = tmp_path_factory.mktemp("front_door")
+    repository = copy_model_repository(workdir / "model_repository", parameters={"max_frames": FRONT_MAX_FRAMES})
+    server = start_front_door(workdir, repository, small_checkpoint)
+    yield server
+    server.stop()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

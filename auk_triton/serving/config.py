@@ -33,6 +33,12 @@ SHM_GROWTH_BYTES = 8 * 2**20
 # a server that ran this long before it died starts the count again.
 RESTART_BACKOFF_S = (1.0, 30.0)
 RESTART_RESET_AFTER_S = 60.0
+# On SIGINT / SIGTERM the launcher lets the requests in flight run for the exit timeout
+# less this margin (less half of it, for a timeout under twice the margin), cuts the rest,
+# and only then stops tritonserver: the margin is for the cut requests to stop at their
+# next window and the models to unload, so that the whole stop fits in the exit timeout.
+STOP_MARGIN_S = 10.0
+TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's own default for --exit-timeout-secs
 DEFAULT_DEVICE = "auto"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
 # The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),
@@ -277,6 +283,29 @@ def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
     """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
     environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))
     environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir) / "triton"))
+
+
+def exit_timeout_seconds(server_args) -> float:
+    """The --exit-timeout-secs among tritonserver's arguments (the last one), else Triton's default."""
+    found = TRITON_EXIT_TIMEOUT_S
+    args = list(server_args)
+    for index, arg in enumerate(args):
+        value = None
+        if arg.startswith("--exit-timeout-secs="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--exit-timeout-secs" and index + 1 < len(args):
+            value = args[index + 1]
+        if value is not None:
+            try:
+                found = float(int(value))
+            except ValueError:
+                raise ValueError(f"--exit-timeout-secs is {value!r}; it must be a whole number of seconds") from None
+    return found
+
+
+def stop_drain_seconds(exit_timeout_s: float) -> float:
+    """How long a stop lets requests in flight run before it cuts them (STOP_MARGIN_S)."""
+    return exit_timeout_s - min(exit_timeout_s / 2, STOP_MARGIN_S)
 
 
 # ---- AUK_* environment variables ------------------------------------------------------------

@@ -68,7 +68,8 @@ def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
 # cancelled while it waited in Triton's queue still reaches `execute`, already cancelled.
 # It stays False for an HTTP /infer whose client closed its connection (the HTTP server
 # does not read a connection while its request runs: triton-inference-server/server#7077),
-# so such a request is decoded in full; and inside an ensemble a step never sees its
+# so on a bare tritonserver such a request is decoded in full; the front door answers
+# /infer over gRPC and cancels the call instead. Inside an ensemble a step never sees its
 # client's cancellation.
 
 

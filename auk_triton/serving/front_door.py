@@ -13,8 +13,11 @@ each request passes through here first:
 - HTTP: a body longer than its model takes is refused (413) from Content-Length, or
   while it is read. An /infer request's declared shapes are checked against the
   model's limits and against the data it sends (JSON values, or the binary part's
-  sizes), and generate / generate_stream inputs by their counts (400). The body is
-  then forwarded unchanged.
+  sizes), and generate / generate_stream inputs by their counts (400). An /infer request
+  is then answered over gRPC (http_infer.py): Triton 2.51's HTTP server never sees a
+  client that closes its connection (triton-inference-server/server#7077), while a gRPC
+  call the front cancels stops at the model's next window. A request gRPC would take
+  differently is forwarded unchanged over HTTP, as are generate and the other routes.
 
 The limits come from the model repository's configs, read once: each variable-length
 input's rows by `config.input_row_limits` (a decoder's `max_frames`, auk_dit's
@@ -22,6 +25,13 @@ input's rows by `config.input_row_limits` (a decoder's `max_frames`, auk_dit's
 fixed dimensions as configured. Everything else (health, metadata, shared memory,
 statistics) passes through. While tritonserver is down, health answers 503 and other
 requests 503 / UNAVAILABLE.
+
+A stop (`FrontDoor.quiesce`, which the launcher runs on SIGINT / SIGTERM before it
+signals tritonserver) refuses new requests (503 / UNAVAILABLE), half-closes every gRPC
+stream upstream so that Triton ends it once its requests are done, lets what is in flight
+finish for the drain, cancels the rest upstream and closes the front's own connections to
+tritonserver: Triton 2.51 waits out its exit timeout for an open stream and for any open
+HTTP connection.
 """
 
 from __future__ import annotations
@@ -30,12 +40,13 @@ import asyncio
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Mapping
 
-from . import config
+from . import config, http_infer
 
 # Triton's datatypes and their sizes in bytes; BYTES (strings) has none.
 DATATYPE_BYTES = {
@@ -51,6 +62,19 @@ JSON_BYTES_PER_VALUE = 32
 CONTROL_BODY_BYTES = 1024 * 1024
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
 HOP_HEADERS = {"host", "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+STOPPING_MESSAGE = "the server is stopping and takes no new requests: send it again (to another replica)"
+CUT_MESSAGE = "the server is stopping: the request was cut short after {drain:g} s of draining: send it again"
+# After the drain, how long the cut requests get to end here before the front closes its
+# connections to tritonserver (a cancelled call ends at once on this side).
+CUT_SETTLE_S = 1.0
+# The upstream is on loopback: reconnect within a second of a restart, not after gRPC's
+# default back-off (up to two minutes). While tritonserver runs, calls upstream wait for the
+# channel to connect (wait_for_ready): a channel that failed while the server was down
+# would otherwise fail them at once until its next attempt.
+UPSTREAM_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class Refused(Exception):
@@ -277,21 +301,23 @@ def _log(text: str) -> None:
 
 
 class HttpFront:
-    """aiohttp handlers: check, then forward to tritonserver's HTTP port."""
+    """aiohttp handlers: check, then answer /infer over gRPC (`grpc_front`'s channel) and
+    forward the rest to tritonserver's HTTP port."""
 
-    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: "UpstreamState"):
-        self.limits, self.upstream, self.state = limits, upstream, state
+    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: "UpstreamState", grpc_front: "GrpcFront"):
+        self.limits, self.upstream, self.state, self.grpc_front = limits, upstream, state, grpc_front
         self.session = None
 
     def app(self):
         from aiohttp import web
 
         app = web.Application(client_max_size=max_body_bytes(self.limits))
+        # A version is digits, as in Triton's routes: any other is not an /infer route (404 there).
         app.router.add_route("POST", "/v2/models/{model}/infer", self.infer)
-        app.router.add_route("POST", "/v2/models/{model}/versions/{version}/infer", self.infer)
+        app.router.add_route("POST", "/v2/models/{model}/versions/{version:[0-9]+}/infer", self.infer)
         for kind in ("generate", "generate_stream"):
             app.router.add_route("POST", f"/v2/models/{{model}}/{kind}", self.generate)
-            app.router.add_route("POST", f"/v2/models/{{model}}/versions/{{version}}/{kind}", self.generate)
+            app.router.add_route("POST", f"/v2/models/{{model}}/versions/{{version:[0-9]+}}/{kind}", self.generate)
         app.router.add_route("GET", "/v2/health/{kind}", self.health)
         app.router.add_route("*", "/{tail:.*}", self.other)
         app.on_startup.append(self._open)
@@ -314,6 +340,9 @@ class HttpFront:
 
         return web.json_response({"error": str(err)}, status=err.http_status)
 
+    def stopping(self):
+        return self.refusal(Refused(STOPPING_MESSAGE, 503)) if self.state.stopping else None
+
     async def _body(self, request, most: int, what: str = "this route") -> bytes:
         """The request body, refused (413) past `most` bytes, from Content-Length or as read."""
         if request.content_length is not None and request.content_length > most:
@@ -327,6 +356,8 @@ class HttpFront:
         return b"".join(chunks)
 
     async def infer(self, request):
+        if refused := self.stopping():
+            return refused
         try:
             model = _model(self.limits, request.match_info["model"])
             header_length = request.headers.get("Inference-Header-Content-Length")
@@ -344,9 +375,58 @@ class HttpFront:
         except Refused as err:
             _log(f"refused {request.method} {request.path}: {err}")
             return self.refusal(err)
-        return await self.forward(request, body)
+        try:
+            tail = body[int(header_length):] if header_length is not None else b""
+            upstream, plan = http_infer.grpc_request(
+                model.name, request.match_info.get("version", ""), header, tail, self.grpc_front.pb
+            )
+        except http_infer.Untranslatable as why:
+            # Triton's HTTP endpoint answers it itself, in its own words; such a request is
+            # not seen if its client goes (the HTTP server's limit), but it is not a decode.
+            _log(f"forwarding {request.path} over HTTP: {why}")
+            return await self.forward(request, body)
+        return await self.infer_over_grpc(request, upstream, plan)
+
+    async def infer_over_grpc(self, request, upstream, plan: http_infer.OutputPlan):
+        """One ModelInfer call upstream, cancelled when this client goes (the runner cancels
+        the handler) or when a stop cuts it; answered as Triton's HTTP endpoint would."""
+        from aiohttp import web
+
+        grpc = self.grpc_front.grpc
+        call = self.grpc_front.call(GRPC_SERVICE + "ModelInfer")(upstream.SerializeToString(), wait_for_ready=self.state.running)
+        flight = self.state.take_off(call.cancel)
+        try:
+            reply = self.grpc_front.pb.ModelInferResponse.FromString(await call)
+        except asyncio.CancelledError:
+            if not flight.cut:
+                raise  # the client went away
+            return self.refusal(Refused(flight.cut, 503))
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and not self.state.running:
+                return self.refusal(Refused(f"tritonserver is not reachable ({self.state.why})", 503))
+            # Triton labels some of these text/plain (those its core reports in the response);
+            # the body is the same JSON either way.
+            status, message = http_infer.http_error_message(err.code().name, err.details() or "")
+            return web.json_response({"error": message}, status=status)
+        finally:
+            call.cancel()  # a no-op once done
+            self.state.land(flight)
+        try:
+            body, header_length = http_infer.http_response(reply, plan)
+        except ValueError as err:  # FP16 / BF16 asked for as JSON: Triton refuses it so (400)
+            return self.refusal(Refused(str(err)))
+        if header_length is None:
+            headers = {"Content-Type": "application/json"}
+        else:
+            headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)}
+        encoding = http_infer.response_encoding(request.headers.get("Accept-Encoding"))
+        if encoding != "identity":
+            body, headers["Content-Encoding"] = http_infer.encode_body(body, encoding), encoding
+        return web.Response(body=body, headers=headers)
 
     async def generate(self, request):
+        if refused := self.stopping():
+            return refused
         try:
             model = _model(self.limits, request.match_info["model"])
             body = await self._body(request, model.max_json_bytes() or max_body_bytes(self.limits), f"model '{model.name}'")
@@ -362,6 +442,8 @@ class HttpFront:
         return await self.forward(request, b"")
 
     async def other(self, request):
+        if refused := self.stopping():
+            return refused
         try:
             body = await self._body(request, CONTROL_BODY_BYTES)
         except Refused as err:
@@ -369,6 +451,25 @@ class HttpFront:
         return await self.forward(request, body)
 
     async def forward(self, request, body: bytes, stream: bool = False):
+        """Forward over HTTP; a stop's cut ends the exchange (a stream with an error event,
+        as Triton's generate_stream sends one)."""
+        sent: dict = {}
+        exchange = asyncio.ensure_future(self._exchange(request, body, stream, sent))
+        flight = self.state.take_off(exchange.cancel)
+        try:
+            return await exchange
+        except asyncio.CancelledError:
+            if not flight.cut:
+                raise  # the client went away: so does the upstream request
+            response = sent.get("response")
+            if response is None or not response.prepared:
+                return self.refusal(Refused(flight.cut, 503))
+            await response.write(f"data: {json.dumps({'error': flight.cut})}\n\n".encode())
+            return response
+        finally:
+            self.state.land(flight)
+
+    async def _exchange(self, request, body: bytes, stream: bool, sent: dict):
         import aiohttp
         from aiohttp import web
 
@@ -382,14 +483,14 @@ class HttpFront:
                     kept["Content-Encoding"] = reply.headers["Content-Encoding"]
                 if not stream:
                     return web.Response(status=reply.status, body=await reply.read(), headers=kept)
-                response = web.StreamResponse(status=reply.status, headers=kept)
+                response = sent["response"] = web.StreamResponse(status=reply.status, headers=kept)
                 await response.prepare(request)
                 async for chunk in reply.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
                 return response
         except aiohttp.ClientConnectionError as err:
-            if stream and "response" in locals() and response.prepared:
+            if stream and "response" in sent and sent["response"].prepared:
                 raise  # mid-stream: the client sees its stream cut
             return self.refusal(Refused(f"tritonserver is not reachable ({self.state.why or err})", 503))
 
@@ -416,7 +517,9 @@ class GrpcFront:
         self.limits, self.state = limits, state
         # Responses (a 10-minute float32 waveform is 57.6 MB) are not limited here.
         self.channel = grpc.aio.insecure_channel(
-            upstream, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+            upstream,
+            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                     *UPSTREAM_RECONNECT_OPTIONS],
         )
         self.calls: dict[str, object] = {}
 
@@ -435,7 +538,7 @@ class GrpcFront:
 
         return Handler()
 
-    def _call(self, method: str, streaming: bool = False):
+    def call(self, method: str, streaming: bool = False):
         if method not in self.calls:
             make = self.channel.stream_stream if streaming else self.channel.unary_unary
             self.calls[method] = make(method)
@@ -455,60 +558,130 @@ class GrpcFront:
         return None
 
     async def unary(self, method: str, data: bytes, context):
+        if self.state.stopping:
+            await context.abort(self.grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
         if method.endswith("/ModelInfer"):
             refusal = self._refusal(data)
             if refusal:
                 _log(f"refused ModelInfer: {refusal}")
                 await context.abort(self.grpc.StatusCode.INVALID_ARGUMENT, refusal)
-        call = self._call(method)(data, metadata=self._metadata(context), timeout=context.time_remaining())
+        call = self.call(method)(
+            data, metadata=self._metadata(context), timeout=context.time_remaining(), wait_for_ready=self.state.running
+        )
+        flight = self.state.take_off(call.cancel)
         try:
             return await call
+        except asyncio.CancelledError:
+            if not flight.cut:
+                raise  # the client cancelled
+            await context.abort(self.grpc.StatusCode.UNAVAILABLE, flight.cut)
         except self.grpc.aio.AioRpcError as err:
             await context.abort(err.code(), err.details() or "")
         finally:
             call.cancel()  # a no-op once done; cancels upstream when this client went away
+            self.state.land(flight)
 
     async def stream(self, requests, context):
-        call = self._call(GRPC_SERVICE + "ModelStreamInfer", streaming=True)(
-            metadata=self._metadata(context), timeout=context.time_remaining()
+        if self.state.stopping:
+            await context.abort(self.grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
+        call = self.call(GRPC_SERVICE + "ModelStreamInfer", streaming=True)(
+            metadata=self._metadata(context), timeout=context.time_remaining(), wait_for_ready=self.state.running
         )
-        lock = asyncio.Lock()
+        sending, writing = asyncio.Lock(), asyncio.Lock()
+        half_closed = False
 
         async def send(message: bytes) -> None:
-            async with lock:
+            async with sending:
                 await context.write(message)
+
+        async def refuse(refusal: str) -> None:  # Triton's way of failing one request of a stream
+            await send(self.pb.ModelStreamInferResponse(error_message=refusal).SerializeToString())
+
+        async def half_close() -> None:
+            """No more requests upstream: Triton ends the stream once those sent are done."""
+            nonlocal half_closed
+            async with writing:
+                if not half_closed:
+                    half_closed = True
+                    await call.done_writing()
 
         async def pump() -> None:
             async for data in requests:
                 refusal = self._refusal(data)
-                if refusal:  # Triton's way of failing one request of a stream
+                if refusal:
                     _log(f"refused ModelStreamInfer request: {refusal}")
-                    await send(self.pb.ModelStreamInferResponse(error_message=refusal).SerializeToString())
-                else:
-                    await call.write(data)
-            await call.done_writing()
+                    await refuse(refusal)
+                    continue
+                async with writing:
+                    forwarded = not half_closed  # once the stop closed it, nothing more goes upstream
+                    if forwarded:
+                        await call.write(data)
+                if not forwarded:
+                    await refuse(STOPPING_MESSAGE)
+            await half_close()
 
+        def half_close_soon() -> None:
+            asyncio.ensure_future(half_close()).add_done_callback(lambda done: done.cancelled() or done.exception())
+
+        flight = self.state.take_off(call.cancel, half_close=half_close_soon)
         pumping = asyncio.ensure_future(pump())
         try:
             async for message in call:
                 await send(message)
-            await pumping
+            if self.state.stopping and not pumping.done():
+                pumping.cancel()  # its client keeps the stream open: the stop ends it here
+            else:
+                await pumping
+        except asyncio.CancelledError:
+            if not flight.cut:
+                raise  # the client went away or cancelled
+            await context.abort(self.grpc.StatusCode.UNAVAILABLE, flight.cut)
         except self.grpc.aio.AioRpcError as err:
             await context.abort(err.code(), err.details() or "")
         finally:
             pumping.cancel()
             call.cancel()  # the client went away or cancelled: so does the upstream call
+            self.state.land(flight)
 
 
 # ---- the whole front ------------------------------------------------------------------------
 
 
+class Flight:
+    """A request in flight upstream, as a stop sees it: `cancel` cuts it; a stream also
+    has `half_close` (no more requests from it). `cut`: the message once cut."""
+
+    def __init__(self, cancel, half_close=None):
+        self.cancel, self.half_close = cancel, half_close
+        self.cut: str | None = None
+
+
 class UpstreamState:
-    """What the supervisor tells the front: whether tritonserver runs, and why not."""
+    """What the supervisor tells the front: whether tritonserver runs, and why not; whether
+    the server is stopping; and the requests in flight upstream."""
 
     def __init__(self):
         self.running = False
         self.why = "starting"
+        self.stopping = False
+        self.flights: set[Flight] = set()
+
+    def take_off(self, cancel, half_close=None) -> Flight:
+        flight = Flight(cancel, half_close)
+        self.flights.add(flight)
+        if self.stopping and half_close is not None:
+            half_close()
+        return flight
+
+    def land(self, flight: Flight) -> None:
+        self.flights.discard(flight)
+
+    async def landed(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every flight to end; whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        while self.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.flights
 
 
 @dataclass
@@ -523,11 +696,13 @@ class FrontDoor:
         import grpc
         from aiohttp import web
 
-        self.http = HttpFront(self.limits, f"http://127.0.0.1:{self.upstream_ports['http']}", self.state)
-        self.runner = web.AppRunner(self.http.app(), access_log=None)
+        self.grpc_front = GrpcFront(self.limits, f"127.0.0.1:{self.upstream_ports['grpc']}", self.state)
+        self.http = HttpFront(self.limits, f"http://127.0.0.1:{self.upstream_ports['http']}", self.state, self.grpc_front)
+        # handler_cancellation: a client that closes its connection cancels its handler, and so
+        # the handler's call upstream.
+        self.runner = web.AppRunner(self.http.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.address, self.ports["http"]).start()
-        self.grpc_front = GrpcFront(self.limits, f"127.0.0.1:{self.upstream_ports['grpc']}", self.state)
         # grpc-core refuses a longer message from its length prefix, before reading it.
         self.grpc_server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", max_message_bytes(self.limits)),
@@ -542,6 +717,31 @@ class FrontDoor:
             f"on 127.0.0.1:{self.upstream_ports['http']}/{self.upstream_ports['grpc']}; gRPC messages up to "
             f"{max_message_bytes(self.limits)} bytes, HTTP bodies up to {max_body_bytes(self.limits)}"
         )
+
+    async def quiesce(self, drain_s: float) -> None:
+        """The front's part of a stop: refuse new requests, half-close the gRPC streams, let
+        what is in flight finish for up to `drain_s`, cut the rest, and close the front's
+        connections to tritonserver. Then tritonserver has nothing to wait for."""
+        state = self.state
+        state.stopping, state.running, state.why = True, False, "stopping"
+        began, in_flight = time.monotonic(), len(state.flights)
+        for flight in list(state.flights):
+            if flight.half_close is not None:
+                flight.half_close()
+        await state.landed(drain_s)
+        cut = list(state.flights)
+        for flight in cut:
+            flight.cut = CUT_MESSAGE.format(drain=drain_s)
+            flight.cancel()
+        await state.landed(CUT_SETTLE_S)
+        _log(
+            f"stopping: {in_flight} requests in flight at the signal; after {time.monotonic() - began:.1f} s "
+            f"{len(cut)} cut (drain {drain_s:g} s), {len(state.flights)} still open"
+        )
+        # Triton 2.51 waits out its exit timeout while any HTTP connection to it is open (the
+        # session's kept-alive ones too) and, at its end, for any open gRPC stream.
+        await self.http.session.close()
+        await self.grpc_front.channel.close()
 
     async def stop(self) -> None:
         await self.grpc_server.stop(grace=1)

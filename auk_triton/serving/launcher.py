@@ -24,9 +24,15 @@ is made absolute here, so it means the directory the server starts in.
 on the public HTTP and gRPC ports and runs tritonserver behind it on loopback
 (AUK_INTERNAL_*_PORT), its metrics port public. It supervises the server: one that
 dies is logged with its status and restarted after a back-off (1 s, doubling to 30 s;
-AUK_RESTART=off exits instead), and the front answers not-ready meanwhile. SIGINT
-and SIGTERM go on to tritonserver, which stops as it would alone; the launcher exits
-with its status.
+AUK_RESTART=off exits instead), and the front answers not-ready meanwhile.
+
+On SIGINT or SIGTERM the front door stops first (`FrontDoor.quiesce`): it refuses new
+requests, half-closes every gRPC stream so that Triton ends it once its requests are done,
+lets the requests in flight run for the drain (`config.stop_drain_seconds`: the exit
+timeout less a margin), cuts the rest (their clients get UNAVAILABLE / 503, the models stop
+them at their next window) and closes its own connections to tritonserver. Only then does
+the signal go on to tritonserver, which finds nothing to wait for, unloads the models and
+exits; the launcher exits with its status. A second signal goes on at once.
 """
 
 from __future__ import annotations
@@ -180,15 +186,32 @@ def restart_delay(failures: int) -> float:
 class Supervisor:
     """Runs tritonserver, restarts it when it dies, and stops it on SIGINT / SIGTERM."""
 
-    def __init__(self, command: list[str], env: dict[str, str], state, restart: bool):
+    def __init__(self, command: list[str], env: dict[str, str], state, restart: bool, before_stop=None):
         self.command, self.env, self.state, self.restart = command, env, state, restart
+        self.before_stop = before_stop  # a coroutine function: what runs before the signal goes on
         self.process = None
         self.stopping = asyncio.Event()
+        self.stopper: asyncio.Future | None = None
 
     def stop(self, signum: int) -> None:
-        """Forward the signal: tritonserver stops as it would alone (its exit timeout)."""
+        """Run `before_stop`, then forward the signal; a second signal is forwarded at once."""
+        if self.stopping.is_set():
+            _say(f"{signal.Signals(signum).name} again: passing it on now")
+            self._signal(signum)
+            return
         self.stopping.set()
         self.state.running, self.state.why = False, "stopping"
+        self.stopper = asyncio.ensure_future(self._stop(signum))
+
+    async def _stop(self, signum: int) -> None:
+        if self.before_stop is not None:
+            try:
+                await self.before_stop()
+            except Exception as err:  # the signal goes on whatever happened
+                _say(f"stopping the front door failed ({type(err).__name__}: {err}); stopping tritonserver")
+        self._signal(signum)
+
+    def _signal(self, signum: int) -> None:
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signum)
 
@@ -199,7 +222,10 @@ class Supervisor:
             # Its own session: a terminal's Ctrl-C reaches it once, through stop().
             self.process = await asyncio.create_subprocess_exec(*self.command, env=self.env, start_new_session=True)
             _say(f"tritonserver started (pid {self.process.pid})")
-            self.state.running = True
+            if not self.stopping.is_set():
+                self.state.running = True
+            elif self.stopper is not None and self.stopper.done():
+                self._signal(signal.SIGTERM)  # it started as the stop ran: it stops too
             status = await self.process.wait()
             ran = time.monotonic() - began
             self.state.running = False
@@ -247,8 +273,8 @@ def front_door_setup(env: dict[str, str], extra: list[str]):
     return command, server_env, front
 
 
-async def serve(command: list[str], env: dict[str, str], front, restart: bool) -> int:
-    supervisor = Supervisor(command, env, front.state, restart)
+async def serve(command: list[str], env: dict[str, str], front, restart: bool, drain_s: float) -> int:
+    supervisor = Supervisor(command, env, front.state, restart, before_stop=lambda: front.quiesce(drain_s))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, supervisor.stop, signum)
@@ -256,6 +282,8 @@ async def serve(command: list[str], env: dict[str, str], front, restart: bool) -
     try:
         return await supervisor.run()
     finally:
+        if supervisor.stopper is not None:
+            supervisor.stopper.cancel()
         await front.stop()
 
 
@@ -264,10 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         command, env, front = front_door_setup(dict(os.environ), extra)
         restart = config.restarts_enabled(os.environ)
+        drain_s = config.stop_drain_seconds(config.exit_timeout_seconds(extra))
     except (TritonNotFound, FileNotFoundError, ValueError) as err:
         sys.exit(f"auk_triton.serving.launcher: {err}")
     _say(" ".join(command))
-    sys.exit(asyncio.run(serve(command, env, front, restart)))
+    sys.exit(asyncio.run(serve(command, env, front, restart, drain_s)))
 
 
 if __name__ == "__main__":

@@ -226,7 +226,9 @@ class TileScheduler:
         timeout keeps the server until then. The one question that would tell the model
         of the stop earlier, pb_utils.is_model_ready, crashed that server (an uncaught
         boost::interprocess::lock_exception in the Python backend) in 2 of 6 stops when
-        asked during one, so nothing here asks it."""
+        asked during one, so nothing here asks it. Through the launcher this does not
+        arise: its front door cuts what still runs after its drain (the model sees those
+        cancelled at their next window) before it signals tritonserver."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()

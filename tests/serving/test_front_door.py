@@ -20,9 +20,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from triton_harness import DecodeStream, copy_model_repository, library_tiles, start_front_door
+from triton_harness import FRONT_MAX_FRAMES, DecodeStream, library_tiles
 
-MAX_FRAMES = 256
+MAX_FRAMES = FRONT_MAX_FRAMES
 OFFLINE = "auk_vae_decode_offline"
 RSS_BOUND = 200 * 2**20  # the most the server may grow past its warm figure
 HOSTILE_SHAPE = [2000000000, 64]  # the request: 192 numbers under this shape
@@ -30,12 +30,8 @@ TWO_GIGABYTE_FRAMES = 8388592  # 2 GB of LATENTS, just under gRPC's message limi
 
 
 @pytest.fixture(scope="module")
-def front(tmp_path_factory, small_checkpoint):
-    workdir = tmp_path_factory.mktemp("front_door")
-    repository = copy_model_repository(workdir / "model_repository", parameters={"max_frames": MAX_FRAMES})
-    server = start_front_door(workdir, repository, small_checkpoint)
-    yield server
-    server.stop()
+def front(front_door):
+    return front_door
 
 
 def make_latents(frames: int, seed: int = 0) -> np.ndarray:

@@ -127,3 +127,42 @@ def test_restarts_back_off_doubling_up_to_the_cap_and_exits_are_described():
     assert launcher.restart_delay(50) == cap
     assert launcher.describe_exit(-signal.SIGKILL) == "was killed by signal 9 (SIGKILL)"
     assert launcher.describe_exit(1) == "exited with status 1"
+
+
+def test_a_stop_drains_for_the_exit_timeout_less_its_margin_which_is_at_most_half_of_it():
+    assert config.exit_timeout_seconds([]) == config.TRITON_EXIT_TIMEOUT_S
+    assert config.exit_timeout_seconds(["--exit-timeout-secs=5", "--log-verbose=1", "--exit-timeout-secs", "60"]) == 60
+    with pytest.raises(ValueError, match="--exit-timeout-secs is 'soon'"):
+        config.exit_timeout_seconds(["--exit-timeout-secs=soon"])
+    assert config.stop_drain_seconds(60) == 60 - config.STOP_MARGIN_S
+    assert config.stop_drain_seconds(10) == 5
+    assert all(0 <= config.stop_drain_seconds(t) < t for t in (1, 5, 10, 20, 30, 60, 600))
+
+
+def test_json_data_of_a_type_triton_reads_otherwise_is_left_to_triton_s_http_endpoint():
+    from tritonclient.grpc import service_pb2
+
+    from auk_triton.serving import http_infer
+
+    assert http_infer.json_tensor_bytes("INT16", [[1, -2], [70000, 3]]) == np.array([1, -2, 70000 - 65536, 3], np.int16).tobytes()
+    assert http_infer.json_tensor_bytes("BYTES", ["ab", ""]) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"
+    for datatype, data in (("FP32", [1.0, True]), ("FP32", ["1.0"]), ("FP16", [1.0]), ("INT32", [1.5]), ("UINT8", [-1]),
+                           ("BOOL", [1]), ("INT64", [2**64])):
+        with pytest.raises(http_infer.Untranslatable):
+            http_infer.json_tensor_bytes(datatype, data)
+    header = {"inputs": [{"name": "LATENTS", "datatype": "FP32", "shape": [1, 1], "data": [0.5]}],
+              "parameters": {"binary_data_output": True, "priority": 2, "note": "x"}}
+    request, plan = http_infer.grpc_request("m", "", header, b"", service_pb2)
+    assert set(request.parameters) == {"priority", "note"} and request.parameters["priority"].uint64_param == 2
+    assert plan.kind("ANY") == "binary"
+    with pytest.raises(http_infer.Untranslatable, match="triton_"):
+        http_infer.grpc_request("m", "", dict(header, parameters={"triton_x": 1}), b"", service_pb2)
+
+
+def test_the_answer_s_encoding_is_the_one_triton_picks_from_accept_encoding():
+    from auk_triton.serving.http_infer import response_encoding
+
+    assert response_encoding(None) == response_encoding("br") == "identity"
+    assert response_encoding("gzip, deflate") == "gzip"  # the first of equals
+    assert response_encoding("deflate;q=0.9, gzip;q=0.5") == "deflate"
+    assert response_encoding("gzip;q=0.2, identity;q=0.5") == "identity"
