@@ -28,7 +28,7 @@ from auk_triton.serving import config
 from triton_harness import DecodeStream, copy_model_repository, start_front_door, start_triton
 
 CYCLES = 10
-LAUNCHER_CYCLES = 6  # two of each kind: a launcher's cycle takes 10 to 20 s here
+LAUNCHER_CYCLES = 10  # the three kinds in turn: a launcher's cycle takes 10 to 20 s here
 EXIT_TIMEOUT_S = 10
 HOP = 480
 LONG_FRAMES = 4000  # about 25 s of decode on the CPU: past the exit timeout
