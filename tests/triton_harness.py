@@ -354,7 +354,7 @@ class StreamOutcome:
 class DecodeStream:
     """One gRPC stream (tritonclient) to a decoupled model."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
         import queue
 
         import tritonclient.grpc as grpcclient
@@ -362,7 +362,7 @@ class DecodeStream:
         self._grpc = grpcclient
         self._events = queue.Queue()
         self.client = grpcclient.InferenceServerClient(url)
-        self.client.start_stream(callback=lambda result, error: self._events.put((result, error)))
+        self.client.start_stream(callback=lambda result, error: self._events.put((result, error)), headers=headers)
         self._pending: dict[str, StreamOutcome] = {}
 
     def send(

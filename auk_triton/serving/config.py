@@ -39,6 +39,13 @@ RESTART_RESET_AFTER_S = 60.0
 # next window and the models to unload, so that the whole stop fits in the exit timeout.
 STOP_MARGIN_S = 10.0
 TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's own default for --exit-timeout-secs
+# A KServe gRPC stream's response has an error message and no status. For a stream whose
+# client asks for statuses (the header `triton_grpc_error: true`, whose handling in
+# Triton 2.51 itself crashed the server), the front door sets this request parameter and
+# the models open each error message with its status ("[INVALID_ARGUMENT] ..."): the front
+# door ends the stream with that status and the message without it.
+STATUS_IN_MESSAGE_PARAMETER = "auk_status_in_error_message"
+STATUS_NAMES = ("INVALID_ARGUMENT", "CANCELLED", "UNAVAILABLE", "INTERNAL")
 DEFAULT_DEVICE = "auto"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
 # The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),

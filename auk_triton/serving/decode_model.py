@@ -88,7 +88,7 @@ class StreamSink:
     """
 
     def __init__(self, model: str, request, pcm16: bool):
-        self.model, self.pcm16 = model, pcm16
+        self.model, self.pcm16, self.request = model, pcm16, request
         self.sender = request.get_response_sender()
         self.last_start: int | None = None  # the start sample of the last tile sent
 
@@ -102,7 +102,7 @@ class StreamSink:
 
     def fail(self, error: Exception) -> None:
         try:
-            self.sender.send(failure_response(self.model, "decode", error), flags=FINAL)
+            self.sender.send(failure_response(self.model, "decode", error, self.request), flags=FINAL)
         except Exception as send_err:  # the client is gone: nothing to tell
             log("error", f"{self.model}: could not send the error response: {send_err}")
 
@@ -144,7 +144,7 @@ class OfflineSink:
         """The whole waveform once the last tile is in (or the error)."""
         self.ended.wait()
         if self.error is not None:
-            return failure_response(self.model, "decode", self.error)
+            return failure_response(self.model, "decode", self.error, self.request)
         waveform = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
         return pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, pcm16))
 

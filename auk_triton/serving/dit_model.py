@@ -81,7 +81,7 @@ class TritonPythonModel:
                 planned.append((index, dit_plan(self.sampler, read, self.settings.max_steps,
                                                 self.settings.max_prompt_tokens)))
             except Exception as err:
-                senders[index].send(failure_response(self.name, "generation", err), flags=FINAL)
+                senders[index].send(failure_response(self.name, "generation", err, request), flags=FINAL)
         schedules = [plan.schedule for _, plan in planned]
         for run in sampler_runs(schedules, self.settings.max_batch_requests):
             rows = [planned[i] for i in run]
@@ -94,14 +94,14 @@ class TritonPythonModel:
             except Exception as err:  # the run itself failed (out of memory): every row of it
                 results = [err] * len(rows)
             for (index, _), result in zip(rows, results):
-                senders[index].send(self._response(result), flags=FINAL)
+                senders[index].send(self._response(result, requests[index]), flags=FINAL)
         return None
 
-    def _response(self, result):
+    def _response(self, result, request):
         if isinstance(result, SamplingStopped):
-            return failure_response(self.name, "generation", RequestCancelled(f"request cancelled {result}"))
+            return failure_response(self.name, "generation", RequestCancelled(f"request cancelled {result}"), request)
         if isinstance(result, Exception):
-            return failure_response(self.name, "generation", result)
+            return failure_response(self.name, "generation", result, request)
         latents = result.to("cpu", torch.float32)[None]  # the batch axis of one clip
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)])
 

@@ -60,7 +60,7 @@ class TritonPythonModel:
                 latents = self.encoder.encode(wav, seed)[0].to("cpu")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)]))
             except Exception as err:
-                responses.append(failure_response(self.name, "encode", err))
+                responses.append(failure_response(self.name, "encode", err, request))
         return responses
 
     def finalize(self):

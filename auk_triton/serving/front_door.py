@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ CUT_SETTLE_S = 1.0
 # default back-off (up to two minutes). While tritonserver runs, calls upstream wait for the
 # channel to connect (wait_for_ready): a channel that failed while the server was down
 # would otherwise fail them at once until its next attempt.
+# A client's ask for statuses on its gRPC stream (Triton's own header): the front serves it,
+# and never passes it on (Triton 2.51's handling of it crashed the server).
+STATUS_HEADER = "triton_grpc_error"
+STATUS_IN_MESSAGE = re.compile(r"\[(" + "|".join(config.STATUS_NAMES) + r")\] ")
 UPSTREAM_RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -546,16 +551,22 @@ class GrpcFront:
 
     @staticmethod
     def _metadata(context):
-        return tuple((k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-")) and k not in ("user-agent", "content-type", "te"))
+        return tuple((k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-"))
+                     and k not in ("user-agent", "content-type", "te", STATUS_HEADER))
+
+    def _check(self, data: bytes):
+        """(the ModelInferRequest, None), or (None, why the front refuses it)."""
+        try:
+            request = self.pb.ModelInferRequest.FromString(data)
+            check_grpc_infer(self.limits, request)
+        except Refused as err:
+            return None, str(err)
+        except Exception as err:  # not a ModelInferRequest at all
+            return None, f"the request is not a ModelInferRequest: {err}"
+        return request, None
 
     def _refusal(self, data: bytes) -> str | None:
-        try:
-            check_grpc_infer(self.limits, self.pb.ModelInferRequest.FromString(data))
-        except Refused as err:
-            return str(err)
-        except Exception as err:  # not a ModelInferRequest at all
-            return f"the request is not a ModelInferRequest: {err}"
-        return None
+        return self._check(data)[1]
 
     async def unary(self, method: str, data: bytes, context):
         if self.state.stopping:
@@ -589,6 +600,10 @@ class GrpcFront:
         )
         sending, writing = asyncio.Lock(), asyncio.Lock()
         half_closed = False
+        # With Triton's `triton_grpc_error: true` the first error ends the stream with its
+        # status: the models put the status at the head of the message for the front to take.
+        with_status = any(k == STATUS_HEADER and v.strip().lower() == "true" for k, v in context.invocation_metadata())
+        failure: list = []  # (status, message): what ends a stream with statuses, found by the pump
 
         async def send(message: bytes) -> None:
             async with sending:
@@ -607,11 +622,18 @@ class GrpcFront:
 
         async def pump() -> None:
             async for data in requests:
-                refusal = self._refusal(data)
+                request, refusal = self._check(data)
                 if refusal:
                     _log(f"refused ModelStreamInfer request: {refusal}")
+                    if with_status:
+                        failure.append((self.grpc.StatusCode.INVALID_ARGUMENT, refusal))
+                        call.cancel()
+                        return
                     await refuse(refusal)
                     continue
+                if with_status:
+                    request.parameters[config.STATUS_IN_MESSAGE_PARAMETER].bool_param = True
+                    data = request.SerializeToString()
                 async with writing:
                     forwarded = not half_closed  # once the stop closed it, nothing more goes upstream
                     if forwarded:
@@ -627,12 +649,21 @@ class GrpcFront:
         pumping = asyncio.ensure_future(pump())
         try:
             async for message in call:
+                # A response with an error message starts with field 1's tag (proto3 writes
+                # fields in order and leaves an empty string out): tiles are not parsed.
+                if with_status and message[:1] == b"\x0a":
+                    status, text = status_of(self.pb.ModelStreamInferResponse.FromString(message).error_message)
+                    await context.abort(self.grpc.StatusCode[status], text)
                 await send(message)
+            if failure:
+                await context.abort(*failure[0])
             if self.state.stopping and not pumping.done():
                 pumping.cancel()  # its client keeps the stream open: the stop ends it here
             else:
                 await pumping
         except asyncio.CancelledError:
+            if failure:
+                await context.abort(*failure[0])
             if not flight.cut:
                 raise  # the client went away or cancelled
             await context.abort(self.grpc.StatusCode.UNAVAILABLE, flight.cut)
@@ -642,6 +673,16 @@ class GrpcFront:
             pumping.cancel()
             call.cancel()  # the client went away or cancelled: so does the upstream call
             self.state.land(flight)
+
+
+def status_of(error_message: str) -> tuple[str, str]:
+    """A stream error's status name and its message without it: the status the models put
+    in it (config.STATUS_IN_MESSAGE_PARAMETER), anywhere (an ensemble may put words before
+    its step's message), else UNKNOWN (an error of Triton's own)."""
+    found = STATUS_IN_MESSAGE.search(error_message)
+    if found is None:
+        return "UNKNOWN", error_message
+    return found.group(1), error_message[: found.start()] + error_message[found.end():]
 
 
 # ---- the whole front ------------------------------------------------------------------------

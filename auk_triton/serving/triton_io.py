@@ -8,12 +8,14 @@ data where the environment has numpy 2, while DLPack describes the buffer itself
 
 from __future__ import annotations
 
+import json
 from typing import Mapping
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from .config import STATUS_IN_MESSAGE_PARAMETER
 from .requests import RequestCancelled, RequestError, ServerStopping
 
 
@@ -41,31 +43,47 @@ def error_response(message: str, code):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
-def failure_response(model: str, action: str, err: Exception):
+def wants_status_in_message(request) -> bool:
+    """Whether the front door asked for the status at the head of this request's error message
+    (config.STATUS_IN_MESSAGE_PARAMETER)."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return parameters.get(STATUS_IN_MESSAGE_PARAMETER) is True
+
+
+def failure_response(model: str, action: str, err: Exception, request=None):
     """The error response for a request that raised `err`, with a status the client can act on.
 
     A RequestError is the client's mistake: its own message, INVALID_ARG. A
     RequestCancelled: its message, CANCELLED. A ServerStopping: its message,
     UNAVAILABLE (send it again elsewhere). Anything else is the model's failure:
-    "<action> failed: ...", INTERNAL, and logged.
+    "<action> failed: ...", INTERNAL, and logged. Where `request` asks for it
+    (`wants_status_in_message`), the message opens with the status: "[INVALID_ARGUMENT] ...".
 
     Seen on Triton 2.51: INVALID_ARG reaches an HTTP /infer client as 400 and a gRPC
     call as INVALID_ARGUMENT; INTERNAL as 500 and INTERNAL; UNAVAILABLE as 503 and
     UNAVAILABLE; CANCELLED as CANCELLED over gRPC (400 over HTTP). An ensemble passes its step's code on. A gRPC stream's error
     carries its message alone, unless the client opened the stream with the header
-    `triton_grpc_error: true` (a mode that crashed that server in our tests), and HTTP
-    generate_stream answers 400 to an error before the first response whatever its code.
+    `triton_grpc_error: true` (a mode that crashed that server in our tests; through the
+    front door the status comes in the message instead), and HTTP generate_stream answers
+    400 to an error before the first response whatever its code.
     """
     if isinstance(err, RequestCancelled):
         log("info", f"{model}: {err}")
-        return error_response(str(err), pb_utils.TritonError.CANCELLED)
-    if isinstance(err, RequestError):
-        return error_response(str(err), pb_utils.TritonError.INVALID_ARG)
-    if isinstance(err, ServerStopping):
+        message, code, status = str(err), pb_utils.TritonError.CANCELLED, "CANCELLED"
+    elif isinstance(err, RequestError):
+        message, code, status = str(err), pb_utils.TritonError.INVALID_ARG, "INVALID_ARGUMENT"
+    elif isinstance(err, ServerStopping):
         log("info", f"{model}: {err}")
-        return error_response(str(err), pb_utils.TritonError.UNAVAILABLE)
-    log("error", f"{model}: {action} failed: {type(err).__name__}: {err}")
-    return error_response(f"{action} failed: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL)
+        message, code, status = str(err), pb_utils.TritonError.UNAVAILABLE, "UNAVAILABLE"
+    else:
+        log("error", f"{model}: {action} failed: {type(err).__name__}: {err}")
+        message, code, status = f"{action} failed: {type(err).__name__}: {err}", pb_utils.TritonError.INTERNAL, "INTERNAL"
+    if request is not None and wants_status_in_message(request):
+        message = f"[{status}] {message}"
+    return error_response(message, code)
 
 
 def instance_device(kind: str, device_id: str) -> torch.device:

@@ -2,11 +2,12 @@
 (gRPC INVALID_ARGUMENT, HTTP 400) whether the model or Triton itself refuses them, and the
 server goes on serving.
 
-A gRPC stream's error carries its message alone: Triton 2.51 writes a status into a stream
-only where the client opened it with the header `triton_grpc_error: true`, a mode that
-crashed that server (SIGSEGV after "[INTERNAL] HandleCancellation called even when the
-context was not cancelled") in runs of this project's served tests, so no test depends on
-it. The stream's refusals are made by the same code as the offline model's, whose codes are
+A gRPC stream's error carries its message alone on a bare tritonserver: Triton 2.51 writes a
+status into a stream only where the client opened it with the header `triton_grpc_error:
+true`, a mode that crashed that server (SIGSEGV after "[INTERNAL] HandleCancellation called
+even when the context was not cancelled") in runs of this project's served tests. The front
+door serves that mode itself: test_front_door_stream_status.py checks the stream's statuses
+there. The stream's refusals are made by the same code as the offline model's, whose codes are
 checked here (and, in process, in test_triton_io.py)."""
 
 from __future__ import annotations

@@ -166,3 +166,12 @@ def test_the_answer_s_encoding_is_the_one_triton_picks_from_accept_encoding():
     assert response_encoding("gzip, deflate") == "gzip"  # the first of equals
     assert response_encoding("deflate;q=0.9, gzip;q=0.5") == "deflate"
     assert response_encoding("gzip;q=0.2, identity;q=0.5") == "identity"
+
+
+def test_a_stream_error_s_status_is_read_from_its_message_and_taken_out_of_it():
+    status_of = front_door.status_of
+    assert status_of("[INVALID_ARGUMENT] LATENTS holds 1 NaN") == ("INVALID_ARGUMENT", "LATENTS holds 1 NaN")
+    assert status_of("in ensemble 'auk_pipeline', [INTERNAL] generation failed: x") == (
+        "INTERNAL", "in ensemble 'auk_pipeline', generation failed: x")
+    # An error of Triton's own carries none; a bracket in the message is not a status.
+    assert status_of("[request id: 7] expected 1 inputs but got 0") == ("UNKNOWN", "[request id: 7] expected 1 inputs but got 0")

@@ -218,9 +218,9 @@ def test_a_dit_generation_that_fails_is_an_internal_error_and_the_model_keeps_se
     assert client.infer("auk_dit", dit_inputs(module, **dit_base())).as_numpy("LATENTS").shape == (1, 10, 64)
 
 
-def pipeline_stream_error(url: str, **request) -> str:
+def pipeline_stream_error(url: str, parameters: dict | None = None, **request) -> str:
     """The error an auk_pipeline gRPC stream ends with: its message (a stream's error carries no
-    status; see test_bad_input.py)."""
+    status; see test_bad_input.py). `parameters`: the request's."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -229,7 +229,8 @@ def pipeline_stream_error(url: str, **request) -> str:
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: events.put(error))
-        client.async_stream_infer("auk_pipeline", dit_inputs(grpcclient, **request, batch_axis=False))
+        client.async_stream_infer("auk_pipeline", dit_inputs(grpcclient, **request, batch_axis=False),
+                                  parameters=parameters)
         error = events.get(timeout=120)
         client.stop_stream()
     finally:
@@ -264,6 +265,19 @@ def test_a_bad_request_through_the_pipeline_is_a_400_naming_the_problem_and_a_fa
     assert "max_steps" in message and "failed" not in message, message
     message = pipeline_stream_error(pipeline_server.grpc_url, **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS})
     assert OVERFLOW_FAILURE in message, message
+
+
+def test_a_pipeline_request_that_asks_for_the_status_in_its_error_message_gets_its_step_s_status(pipeline_server):
+    # What the front door asks for on a stream whose client wants statuses: the ensemble passes
+    # the request's parameters on to its steps, and a step's error opens with its status.
+    from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
+
+    asks = {STATUS_IN_MESSAGE_PARAMETER: True}
+    message = pipeline_stream_error(pipeline_server.grpc_url, parameters=asks, **{**dit_base(), "num_steps": 5000})
+    assert message.count("[INVALID_ARGUMENT] ") == 1 and "max_steps" in message, message
+    message = pipeline_stream_error(pipeline_server.grpc_url, parameters=asks,
+                                    **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS})
+    assert "[INTERNAL] " in message and OVERFLOW_FAILURE in message, message
 
 
 def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(

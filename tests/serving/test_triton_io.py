@@ -55,3 +55,28 @@ def test_any_other_failure_is_internal_naming_the_action_and_the_exception(failu
     assert error.code == TritonError.INTERNAL
     assert error.message == "decode failed: RuntimeError: CUDA error: out of memory"
     assert "m: decode failed: RuntimeError: CUDA error: out of memory" in capsys.readouterr().out
+
+
+class Request:
+    """A stand-in for pb_utils.InferenceRequest: its parameters as Triton hands them over (JSON)."""
+
+    def __init__(self, parameters: str):
+        self._parameters = parameters
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+@pytest.mark.parametrize(
+    "err, status",
+    [(RequestError("LATENTS has zero frames"), "INVALID_ARGUMENT"), (RequestCancelled("request cancelled"), "CANCELLED"),
+     (ServerStopping("the model is shutting down"), "UNAVAILABLE"), (RuntimeError("boom"), "INTERNAL")],
+)
+def test_a_request_that_asks_for_it_gets_its_status_at_the_head_of_the_message(failure_response, err, status):
+    from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
+
+    plain = failure_response("m", "decode", err).error
+    asked = failure_response("m", "decode", err, Request(f'{{"{STATUS_IN_MESSAGE_PARAMETER}": true}}')).error
+    assert asked.code == plain.code and asked.message == f"[{status}] {plain.message}"
+    for parameters in ("{}", f'{{"{STATUS_IN_MESSAGE_PARAMETER}": "true"}}', "not json"):
+        assert failure_response("m", "decode", err, Request(parameters)).error.message == plain.message
