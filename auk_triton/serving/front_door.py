@@ -605,6 +605,10 @@ class GrpcFront:
         with_status = any(k == STATUS_HEADER and v.strip().lower() == "true" for k, v in context.invocation_metadata())
         failure: list = []  # (status, message): what ends a stream with statuses, found by the pump
 
+        def end_with(status, message: str) -> None:
+            failure.append((status, message))
+            call.cancel()  # the stream's loop below ends, and aborts with it
+
         async def send(message: bytes) -> None:
             async with sending:
                 await context.write(message)
@@ -626,9 +630,7 @@ class GrpcFront:
                 if refusal:
                     _log(f"refused ModelStreamInfer request: {refusal}")
                     if with_status:
-                        failure.append((self.grpc.StatusCode.INVALID_ARGUMENT, refusal))
-                        call.cancel()
-                        return
+                        return end_with(self.grpc.StatusCode.INVALID_ARGUMENT, refusal)
                     await refuse(refusal)
                     continue
                 if with_status:
@@ -639,6 +641,8 @@ class GrpcFront:
                     if forwarded:
                         await call.write(data)
                 if not forwarded:
+                    if with_status:
+                        return end_with(self.grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
                     await refuse(STOPPING_MESSAGE)
             await half_close()
 
