@@ -7,17 +7,13 @@ import torch
 Output = TypeVar("Output")
 
 
-def capture(
-    run: Callable[[], Output], pool=None, warmups: int = 2, stream: torch.cuda.Stream | None = None
-) -> tuple[torch.cuda.CUDAGraph, Output]:
+def capture(run: Callable[[], Output], pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, Output]:
     """Capture one call of `run` (on the current device) as a CUDA graph; return the graph and
     the call's output, the static buffer each replay rewrites.
 
     `run` is first called `warmups` times on a side stream: compilation, autotuning
     and library handles are created lazily and must not happen inside the capture.
-    `pool` is a graph memory pool to share (None: the graph gets its own). `stream` is the
-    stream to capture on (None: PyTorch's one capture stream); graphs that may replay at
-    the same time need different ones, since cuBLAS keys its workspace by stream.
+    `pool` is a graph memory pool to share (None: the graph gets its own).
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -26,6 +22,6 @@ def capture(
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    with torch.cuda.graph(graph, pool=pool):
         output = run()
     return graph, output

@@ -32,7 +32,6 @@ import gc
 import queue
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +74,7 @@ LOAD_STEPS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 # Options that set the tile scheduler's config parameters: option -> parameter.
 SCHEDULER_PARAMETERS = {"batch_sizes": "batch_sizes", "batch_frames": "batch_frames",
-                        "max_active": "max_active_requests", "priority_stream": "priority_stream"}
+                        "max_active": "max_active_requests"}
 
 
 # ---- requests on one stream -----------------------------------------------------------------
@@ -495,7 +494,7 @@ def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGrap
         vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
         max_graphs=settings.max_graphs, compile_shapes=settings.compile_shapes, tile_frames=settings.tile_frames,
         first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
-        batch_frames=settings.batch_frames, priority_stream=settings.priority_stream,
+        batch_frames=settings.batch_frames,
     )
 
 
@@ -525,47 +524,10 @@ def measure_capacity(checkpoint: Path, settings: DecodeSettings, clip_seconds, i
             rate = rows / (ms / 1e3)
             best[key] = max(best.get(key, 0.0), rate)
             say(f"| {key} | {rows} | {ms:.2f} | {rate:.0f} | {graph.last_mode} |")
-    if graph.priority_stream is not None:
-        priority_check(graph, iters)
     del graph
     gc.collect()
     torch.cuda.empty_cache()  # the server's instance comes next on the same GPU
     return Capacity(best, window_keys)
-
-
-def priority_check(graph: AuKVAEDecodeGraph, iters: int) -> None:
-    """A first window launched right behind a full tile: on the main stream it waits for the
-    tile; on the priority stream it decodes beside it. Host time from the launches to each
-    one's samples (median), and the first window's samples against the main stream's."""
-    first, full = graph.compile_shapes[0], graph.tile_frames or graph.compile_shapes[-1]
-    short, long = latents(first, "cuda", seed=SEED + 200), latents(full, "cuda", seed=SEED + 201)
-    main = torch.cuda.current_stream()
-    reference = graph.decode_rows([short])[0].clone()
-    on_priority = graph.decode_rows([short], priority=True)[0]
-    graph.priority_stream.synchronize()
-    max_diff = (on_priority - reference).abs().max().item()
-
-    def timed(priority: bool) -> tuple[float, float]:
-        began = time.perf_counter()
-        graph.decode_rows([long])
-        tile_done = torch.cuda.Event()
-        tile_done.record(main)
-        graph.decode_rows([short], priority=priority)
-        first_done = torch.cuda.Event()
-        first_done.record(graph.priority_stream if priority else main)
-        first_done.synchronize()
-        first_ms = (time.perf_counter() - began) * 1e3
-        tile_done.synchronize()
-        return first_ms, (time.perf_counter() - began) * 1e3
-
-    for priority in (False, True):
-        for _ in range(3):
-            timed(priority)
-        firsts, tiles = zip(*(timed(priority) for _ in range(iters)))
-        say(f"first window ({first} frames) launched behind a {full}-frame tile, "
-            f"{'priority' if priority else 'main'} stream: its samples after {statistics.median(firsts):.2f} ms, "
-            f"the tile's after {statistics.median(tiles):.2f} ms")
-    say(f"priority stream's samples against the main stream's: max abs difference {max_diff:.3g}")
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -731,9 +693,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="the scheduler's rows per replay (default 1 2 4 8 16; 1: batching off)")
     parser.add_argument("--batch-frames", type=int, default=None, help="frames per batched replay (default one tile)")
-    parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default 64)")
-    parser.add_argument("--priority-stream", action=argparse.BooleanOptionalAction, default=None,
-                        help="priority_stream: first windows on a high-priority CUDA stream (default on)")
+    parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default 32)")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     args = parser.parse_args()
@@ -771,7 +731,6 @@ def decode_settings(args) -> DecodeSettings:
         batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else default.batch_sizes,
         batch_frames=args.batch_frames or default.batch_frames,
         max_active_requests=args.max_active or default.max_active_requests,
-        priority_stream=default.priority_stream if args.priority_stream is None else args.priority_stream,
     )
 
 
@@ -826,7 +785,7 @@ def main() -> None:
     where = "the running server's settings are its own; in process" if args.url else "served and in process"
     say(f"settings ({where}): buckets {','.join(map(str, settings.compile_shapes))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
-        f"max active requests {settings.max_active_requests}, priority stream {settings.priority_stream}")
+        f"max active requests {settings.max_active_requests}")
     clips = make_clips(args.clips)
     mixes = [(clips[s],) for s in args.clips] if args.each_clip else [tuple(clips[s] for s in args.clips)]
     checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)

@@ -35,12 +35,6 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    right-padded like a bucket, and a row's samples are those of the same window
    decoded alone through a plain graph, which differs from its compiled bucket at
    the compiled tier's rounding.
-5. The priority stream (`priority_stream=True`): windows of the smallest bucket (every
-   clip's first window) can also decode on a high-priority CUDA stream, through
-   graphs of their own (a compiled bucket and its batched rows, each with its own
-   memory), while the main stream replays longer windows: the GPU schedules the
-   priority stream's kernels first as SMs free up, so a short window need not wait
-   for the replays queued before it. Same kernels, same samples as the main stream's.
 
 Off CUDA, while an outer graph is being captured, or with `enabled=False`,
 everything runs eager (tiling included in `decode_tiles`; rows batch only with
@@ -100,7 +94,6 @@ class AuKVAEDecodeGraph:
         first_tile_frames: int | None = None,
         batch_sizes: Sequence[int] = (1,),
         batch_frames: int | None = None,
-        priority_stream: bool = False,
     ):
         self.vae = vae
         self.enabled = bool(enabled)
@@ -138,10 +131,6 @@ class AuKVAEDecodeGraph:
         self._uncapturable_rows: set[tuple[int, int]] = set()
         self._compiled_decode: Callable | None = None
         self._zero_latent = vae.zero_latent()
-        self.wants_priority_stream = bool(priority_stream)
-        # Built by warmup: the stream, and the smallest bucket's graphs for it by rows.
-        self.priority_stream: torch.cuda.Stream | None = None
-        self._priority: dict[tuple[int, int], _Graph] = {}
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -167,21 +156,12 @@ class AuKVAEDecodeGraph:
         """The most rows `decode_rows` takes for windows of `key` (`batch_key`)."""
         return max(b for b in self.batch_sizes if b == 1 or b * key <= self.batch_frames)
 
-    def priority_capacity(self, key: int) -> int:
-        """The most rows of `key` (`batch_key`) one replay on the priority stream takes; 0
-        where that stream has no graphs for it (the main stream decodes them)."""
-        return max((rows for bucket, rows in self._priority if bucket == key), default=0)
-
-    def decode_rows(self, rows: Sequence[torch.Tensor], priority: bool = False) -> list[torch.Tensor]:
+    def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Decode windows ([1, frames_i, latent_dim] each, one `batch_key`, at most its
         `batch_capacity`) together; return each one's waveform [frames_i * hop_size].
 
         Views into graph buffers where a graph served them: copy them before the next decode.
-        `priority`: replay on `priority_stream` (at most `priority_capacity` rows); the
-        caller reads the views on that stream too.
         """
-        if priority:
-            return self._decode_priority(rows)
         if len(rows) == 1:
             return [self._decode_window(rows[0])[0]]
         hop = self.vae.hop_size
@@ -229,8 +209,6 @@ class AuKVAEDecodeGraph:
                 for rows in self.batch_sizes[1:]:
                     if ok and rows <= self.batch_capacity(frames):
                         self._capture_rows(frames, rows)
-                if ok and self.wants_priority_stream and frames == self.compile_shapes[0]:
-                    self._capture_priority(frames)
                 seconds = time.perf_counter() - began
                 logger.info("bucket %d frames: %s in %.1f s", frames, "ready" if ok else "failed", seconds)
                 if on_bucket is not None:
@@ -402,38 +380,8 @@ class AuKVAEDecodeGraph:
                 self._uncapturable_rows.add(key)
         return self._batched.get(key)
 
-    def _capture_priority(self, frames: int) -> None:
-        """The priority stream and its graphs of `frames`: the compiled bucket again and its
-        batched rows, captured on a capture stream of their own (their own cuBLAS workspace)
-        and in memory of their own, since they replay while the main stream's graphs do.
-        A capture that fails leaves those rows to the main stream."""
-        device = self.vae.global_mean.device
-        # The highest priority the device has (PyTorch clamps to its range).
-        self.priority_stream = torch.cuda.Stream(device, priority=-100)
-        capture_stream, pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
-        for rows in [1] + [b for b in self.batch_sizes[1:] if b <= self.batch_capacity(frames)]:
-            try:
-                decode = self._compiled_decode if rows == 1 else self.vae.forward
-                self._priority[(frames, rows)] = self._capture(
-                    frames, decode, pool=None if rows == 1 else pool, rows=rows, stream=capture_stream)
-            except Exception as err:  # out of memory, say
-                logger.warning("capturing %d rows of %d frames for the priority stream failed: %s", rows, frames, err)
-                break
-
-    def _decode_priority(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        bucket = self.compiled_bucket(max(row.shape[1] for row in rows))
-        size = min(size for key, size in self._priority if key == bucket and size >= len(rows))
-        entry = self._priority[(bucket, size)]
-        with torch.no_grad(), torch.cuda.stream(self.priority_stream):
-            for index, row in enumerate(rows):
-                self._load(entry.static_in[index : index + 1], row)
-            entry.graph.replay()
-        self.last_mode = "compiled" if size == 1 else "batched"
-        hop = self.vae.hop_size
-        return [entry.static_out[index, : row.shape[1] * hop] for index, row in enumerate(rows)]
-
-    def _capture(self, frames: int, decode: Callable, pool, rows: int = 1, stream=None) -> _Graph:
+    def _capture(self, frames: int, decode: Callable, pool, rows: int = 1) -> _Graph:
         device = self.vae.global_mean.device
         static_in = self._zero_latent.to(device).expand(rows, frames, -1).contiguous()
-        graph, static_out = capture(lambda: decode(static_in), pool=pool, stream=stream)
+        graph, static_out = capture(lambda: decode(static_in), pool=pool)
         return _Graph(graph, static_in, static_out)

@@ -166,9 +166,7 @@ class DecodeSettings:
     # and the requests it decodes at once (the rest wait in Triton's queue).
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     batch_frames: int | None = None
-    max_active_requests: int = 64
-    # GPU: first windows decode on a high-priority stream beside the main stream's replays.
-    priority_stream: bool = True
+    max_active_requests: int = 32
     cache_dir: Path = DEFAULT_CACHE_DIR
 
     @classmethod
@@ -196,7 +194,6 @@ class DecodeSettings:
             batch_sizes=list_parameter(params, "batch_sizes", default.batch_sizes, "1,2,4,8,16") or (1,),
             batch_frames=int_parameter(params, "batch_frames", default.batch_frames, 1),
             max_active_requests=int_parameter(params, "max_active_requests", default.max_active_requests, 1),
-            priority_stream=bool_parameter(params, "priority_stream", default.priority_stream),
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
 

@@ -178,7 +178,6 @@ class TritonPythonModel:
             first_tile_frames=settings.first_window_frames(),
             batch_sizes=settings.batch_sizes,
             batch_frames=settings.batch_frames,
-            priority_stream=settings.priority_stream,
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -263,15 +262,14 @@ class TritonPythonModel:
         return [sink.response(pcm16) for sink, pcm16 in jobs]
 
     def _latents(self, request) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """The request's LATENTS as [1, frames, dim], and their check for NaN and infinite
-        values where it is still to run (None where it has run).
+        """The request's LATENTS on the model's device as [1, frames, dim], and their check
+        for NaN and infinite values where it is still to run (None where it has run).
 
-        For a GPU they are put in pinned memory, from which the scheduler copies them
-        over on the stream of their first window (a DMA the host does not wait for,
-        queued behind nothing else on that stream); a copy from pageable memory would
-        be staged by the driver and waited for. There the check is left to the
-        scheduler, which runs it while the first window decodes; on a CPU, where a
-        decode is not asynchronous, it runs here first.
+        On a GPU they go through pinned memory: a copy from pageable memory is
+        staged by the driver and waited for, one from pinned memory is a DMA the
+        host does not wait for (PyTorch keeps the pinned block until it is done).
+        There the check is left to the scheduler, which runs it while the first window
+        decodes; on a CPU, where a decode is not asynchronous, it runs here first.
         """
         on_gpu = self.device.type == "cuda"
         array = validate_latents(
@@ -284,8 +282,9 @@ class TritonPythonModel:
         latents = torch.from_numpy(array)
         if not on_gpu:
             return latents.unsqueeze(0), None
-        pinned = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True).copy_(latents)
-        return pinned.unsqueeze(0), lambda: require_finite(array)
+        pinned = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True)
+        latents = pinned.copy_(latents).to(self.device, non_blocking=True)
+        return latents.unsqueeze(0), lambda: require_finite(array)
 
     def _on_iteration(self, report: Iteration) -> None:
         """One scheduler iteration's numbers to the metrics (the reporter sends them later)."""

@@ -20,12 +20,7 @@ windows (and count an underrun when a tile leaves after its deadline).
 On a GPU the next iteration's decode is launched before the tiles of this one
 are handed over (their samples are copied to pinned host memory first, in
 stream order, so the next replay cannot overwrite them): the GPU decodes while
-Python sends. Where the decoder has a priority stream (`priority_capacity`), first
-windows go there instead, one replay at a time, beside the main stream's two: a
-new request's first audio then waits for its own small decode, not for the long
-windows queued before it. A stream's next window is taken only once its tile from
-the priority stream is handed over, so every stream's tiles leave in order. A
-request's host-side check (NaN and infinite values) runs while
+Python sends. A request's host-side check (NaN and infinite values) runs while
 its first window decodes; a request that fails it, or is cancelled, leaves its
 batch without touching the other rows.
 
@@ -35,7 +30,6 @@ responses, metrics) is the `StreamSink` the decode model gives each request.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -52,9 +46,6 @@ log = logging.getLogger(__name__)
 # abandoned: ask whether it was cancelled (a round trip to the server) before decoding it.
 # Later windows are asked about after each tile is sent, as a cancelled stream is seen.
 STALE_FIRST_WINDOW_S = 0.02
-# While replays run on the GPU, how often the thread looks for finished ones (and new
-# requests: a submit wakes it at once). Far below a replay's time, far above a check's cost.
-POLL_S = 0.0002
 
 
 class StreamSink(Protocol):
@@ -76,23 +67,13 @@ class StreamSink(Protocol):
 class WindowDecoder(Protocol):
     """What the scheduler needs of the decode (`AuKVAEDecodeGraph` provides it)."""
 
-    priority_stream: torch.cuda.Stream | None  # where `decode_rows(..., priority=True)` replays
-
     def plan(self, frames: int) -> list[tuple[int, int, int, int]]: ...
 
     def batch_key(self, frames: int, device: torch.device) -> int: ...
 
     def batch_capacity(self, key: int) -> int: ...
 
-    def priority_capacity(self, key: int) -> int: ...
-
-    def decode_rows(self, rows: Sequence[torch.Tensor], priority: bool = False) -> list[torch.Tensor]: ...
-
-
-class Completion(Protocol):
-    """When an iteration's host copies are done (a CUDA event recorded after them)."""
-
-    def query(self) -> bool: ...
+    def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 STOPPING_MESSAGE = (
@@ -103,9 +84,7 @@ STOPPING_MESSAGE = (
 
 @dataclass(eq=False)
 class Job:
-    """One request in the scheduler: its latents [1, frames, C] (in pinned host memory for a
-    GPU scheduler, which copies them over on the stream of the first window), windows and
-    progress."""
+    """One request in the scheduler: its latents [1, frames, C], windows and progress."""
 
     latents: torch.Tensor
     sink: StreamSink
@@ -117,7 +96,6 @@ class Job:
     first_sent: float | None = None  # when its first tile was handed over
     sent_seconds: float = 0.0  # audio handed over so far
     finished: bool = False
-    on_priority_stream: bool = False  # its first window is decoding there; nothing else is taken
 
     def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
         """Smaller is more urgent: first windows by arrival, then the rest by deadline (the
@@ -149,14 +127,10 @@ class _InFlight:
     """One iteration's tiles, copied (or being copied) to the host."""
 
     tiles: list[tuple[Job, int, torch.Tensor, bool]]  # job, start sample, host samples, last
-    done: Completion | None  # None: done (a CPU decode is synchronous)
+    done: torch.cuda.Event | None
     rows: int
     mode: str | None  # the decode tier that served the replay
     decode_seconds: float  # launching the decode and, later, waiting for its samples
-    priority: bool = False  # decoded on the priority stream
-
-    def ready(self) -> bool:
-        return self.done is None or self.done.query()
 
 
 @dataclass
@@ -185,7 +159,6 @@ class TileScheduler:
         max_active: int,
         on_iteration: Callable[[Iteration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        completion: Callable[[], Completion | None] | None = None,
     ):
         self.decoder, self.device = decoder, torch.device(device)
         self.sample_rate, self.hop_size = sample_rate, hop_size
@@ -193,8 +166,6 @@ class TileScheduler:
         self.on_iteration = on_iteration
         self.clock = clock
         self.look_ahead = self.device.type == "cuda"  # decodes are asynchronous there
-        # What marks an iteration's host copies done; called on the stream that ran them.
-        self.completion = completion or (self._record_event if self.device.type == "cuda" else lambda: None)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
         self._cond = threading.Condition()
@@ -273,83 +244,53 @@ class TileScheduler:
     # ---- the scheduler's thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        main: list[_InFlight] = []  # the main stream's iterations, oldest first
-        priority: _InFlight | None = None  # the priority stream's one
+        in_flight: _InFlight | None = None
         while True:
             with self._cond:
-                while not self._stopping:
-                    batch, on_priority = self._take_batch(
-                        priority_free=priority is None, main_free=len(main) < (2 if self.look_ahead else 1))
-                    if batch or main or priority is not None:
-                        break
+                while not self._has_work() and in_flight is None:
                     if self._closing:
                         return
                     self._cond.wait()
                 stopped = list(self._jobs) if self._stopping else []
+                batch = [] if self._stopping else self._take_batch()
             for job in stopped:
                 self._end(job, lambda job=job: job.sink.fail(ServerStopping(STOPPING_MESSAGE)))
             if stopped:
-                main, priority = [], None
+                in_flight = None
                 continue
             try:
-                launched = self._launch(batch, on_priority) if batch else None
+                launched = self._launch(batch) if batch else None
                 if launched is not None and not self.look_ahead:
                     self._deliver(launched)
-                elif launched is not None and on_priority:
-                    priority = launched
-                elif launched is not None:
-                    main.append(launched)
-                # Hand over what the GPU has finished, the priority stream's first tiles first.
-                delivered = False
-                if priority is not None and priority.ready():
-                    self._deliver(priority)
-                    priority, delivered = None, True
-                if main and main[0].ready():
-                    self._deliver(main.pop(0))
-                    delivered = True
-                if not batch and not delivered:  # the GPU is busy: wait a little, or for a request
-                    waited = time.perf_counter()
-                    with self._cond:
-                        self._cond.wait(POLL_S)
-                    (main[0] if main else priority).decode_seconds += time.perf_counter() - waited
+                    launched = None
+                if in_flight is not None:
+                    self._deliver(in_flight)
+                in_flight = launched
             except Exception as err:  # a fault of the scheduler's own: fail what it holds, keep serving
                 log.exception("tile scheduler iteration failed")
-                main, priority = [], None
+                in_flight = None
                 for job in list(self._jobs):
                     self._end(job, lambda job=job: job.sink.fail(err))
 
-    def _take_batch(self, priority_free: bool, main_free: bool) -> tuple[list[Job], bool]:
-        """The next batch (under the lock), and whether it goes to the priority stream; each
-        job's window index moves on as it is taken."""
+    def _has_work(self) -> bool:
+        return any(job.next_window < len(job.windows) for job in self._jobs)
 
-        def key_of(job: Job) -> int:
-            return self.decoder.batch_key(job.windows[job.next_window][1], self.device)
-
-        def goes_first(job: Job) -> bool:  # a first window the priority stream can take
-            return job.next_window == 0 and self.decoder.priority_capacity(key_of(job)) > 0
-
-        now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
-        batch, on_priority = [], False
-        if priority_free:
-            batch = pick_batch([job for job in self._jobs if goes_first(job)], key_of,
-                               self.decoder.priority_capacity, now, frame_seconds)
-            on_priority = bool(batch)
-        if not batch and main_free:
-            rest = [job for job in self._jobs if not job.on_priority_stream and not goes_first(job)]
-            batch = pick_batch(rest, key_of, self.decoder.batch_capacity, now, frame_seconds)
+    def _take_batch(self) -> list[Job]:
+        """The next batch (under the lock); each job's window index moves on as it is taken."""
+        batch = pick_batch(
+            self._jobs,
+            key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
+            capacity=self.decoder.batch_capacity,
+            now=self.clock(),
+            frame_seconds=self.hop_size / self.sample_rate,
+        )
         for job in batch:
             job.next_window += 1
-            job.on_priority_stream = on_priority
-        return batch, on_priority
+        return batch
 
-    def _launch(self, batch: list[Job], priority: bool) -> _InFlight | None:
-        """Decode one window of each job (on the priority stream if so), run first-window
-        checks while the GPU works, and start the host copies of the tiles."""
-        stream = self.decoder.priority_stream if priority else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return self._launch_here(batch, priority)
-
-    def _launch_here(self, batch: list[Job], priority: bool) -> _InFlight | None:
+    def _launch(self, batch: list[Job]) -> _InFlight | None:
+        """Decode one window of each job, run first-window checks while the GPU works, and
+        start the host copies of the tiles."""
         began = time.perf_counter()
         now = self.clock()
         live = []
@@ -364,14 +305,10 @@ class TileScheduler:
             return None
         rows = []
         for job in live:
-            if job.latents.device != self.device:  # pinned host memory: a DMA on this stream
-                job.latents = job.latents.to(self.device, non_blocking=True)
-            if job.latents.is_cuda:  # read on this stream: not reused before that read
-                job.latents.record_stream(torch.cuda.current_stream())
             start, size, _, _ = job.windows[job.next_window - 1]
             rows.append(job.latents[:, start : start + size])
         try:
-            waves = self.decoder.decode_rows(rows, priority=priority)
+            waves = self.decoder.decode_rows(rows)
         except Exception as err:  # a failed decode fails its batch, not the scheduler
             log.error("decode of %d windows failed: %s: %s", len(live), type(err).__name__, err)
             for job in live:
@@ -395,20 +332,21 @@ class TileScheduler:
             host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=samples.is_cuda)
             host.copy_(samples, non_blocking=samples.is_cuda)
             tiles.append((job, emit_start * self.hop_size, host, job.next_window == len(job.windows)))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         mode = getattr(self.decoder, "last_mode", None)
-        return _InFlight(tiles, self.completion(), len(live), mode, time.perf_counter() - began, priority)
-
-    @staticmethod
-    def _record_event() -> torch.cuda.Event:
-        done = torch.cuda.Event()
-        done.record()
-        return done
+        return _InFlight(tiles, done, len(live), mode, time.perf_counter() - began)
 
     def _deliver(self, in_flight: _InFlight) -> None:
         """Wait for an iteration's host copies and hand each tile to its sink."""
-        report = Iteration(in_flight.rows, in_flight.mode, in_flight.decode_seconds, 0.0, [], [], 0, 0)
+        began = time.perf_counter()
+        if in_flight.done is not None:
+            in_flight.done.synchronize()
+        decode_seconds = in_flight.decode_seconds + time.perf_counter() - began
+        report = Iteration(in_flight.rows, in_flight.mode, decode_seconds, 0.0, [], [], 0, 0)
         for job, start_sample, host, last in in_flight.tiles:
-            job.on_priority_stream = False
             if job.finished:  # failed or cancelled since
                 continue
             now = self.clock()

@@ -139,29 +139,9 @@ def test_latents_on_another_device_than_the_vae_are_never_replayed(tmp_path):
 
 @pytest.fixture(scope="module")
 def batched(vae):
-    graph = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128), batch_sizes=(1, 2, 4), batch_frames=512,
-                              priority_stream=True)
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128), batch_sizes=(1, 2, 4), batch_frames=512)
     graph.warmup("cuda")
     return graph
-
-
-def test_windows_on_the_priority_stream_are_the_main_stream_s_even_beside_a_replay_in_flight(batched):
-    assert batched.priority_capacity(32) == 4 and batched.priority_capacity(128) == 0
-    firsts, tile = [latents(32, 20), latents(25, 21)], latents(128, 22)
-    with torch.no_grad():
-        rows_main = [wave.clone() for wave in batched.decode_rows(firsts)]
-        one_main = batched.decode_rows(firsts[:1])[0].clone()
-        tile_main = batched.decode_rows([tile])[0].clone()
-        for _ in range(3):
-            tile_wave = batched.decode_rows([tile])[0]  # queued on the main stream
-            with torch.cuda.stream(batched.priority_stream):  # read where they were decoded
-                rows = [wave.clone() for wave in batched.decode_rows(firsts, priority=True)]
-                one = batched.decode_rows(firsts[:1], priority=True)[0].clone()
-            tile_copy = tile_wave.clone()
-            torch.cuda.synchronize()
-            # The same kernels on other buffers: the same samples, to float rounding.
-            for actual, expected in zip(rows + [one, tile_copy], rows_main + [one_main, tile_main]):
-                torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_batched_rows_are_the_windows_decoded_alone_within_the_compiled_tolerance(batched, vae):

@@ -24,12 +24,9 @@ WINDOW = 10  # frames per window of the stand-in plan
 class StandInDecoder:
     """Windows of WINDOW frames; each output sample is the window's latent value of its frame."""
 
-    priority_stream = None  # a CPU stand-in: the priority "stream" is the caller's
-
-    def __init__(self, capacity: int = 4, priority_capacity: int = 0):
-        self.capacity, self.priority_rows = capacity, priority_capacity
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
         self.batches: list[list[float]] = []  # the request tags of each replay's rows
-        self.lanes: list[bool] = []  # whether each replay ran on the priority stream
         self.gate: threading.Event | None = None  # when set, each decode waits for it
         self.permits: threading.Semaphore | None = None  # when set, each decode takes one
         self.last_mode = "stand-in"
@@ -44,11 +41,7 @@ class StandInDecoder:
     def batch_capacity(self, key: int) -> int:
         return self.capacity
 
-    def priority_capacity(self, key: int) -> int:
-        return self.priority_rows
-
-    def decode_rows(self, rows, priority=False):
-        self.lanes.append(priority)
+    def decode_rows(self, rows):
         if self.gate is not None:
             assert self.gate.wait(10), "the test never opened the gate"
         if self.permits is not None:
@@ -153,98 +146,6 @@ def test_a_new_request_s_first_window_goes_before_the_windows_of_a_stream_in_pro
     assert decoder.batches[:3] == [[1.0], [1.0], [2.0]], decoder.batches
 
 
-class StandInGPU:
-    """Completions for a scheduler with a priority stream: each replay's host copies are done
-    only once the test finishes that stream's oldest replay (as events recorded on a GPU)."""
-
-    def __init__(self, decoder: StandInDecoder):
-        self.decoder = decoder
-        self.pending = {False: [], True: []}  # by stream: priority or not
-
-    def completion(self) -> threading.Event:
-        done = threading.Event()
-        done.query = done.is_set
-        self.pending[self.decoder.lanes[-1]].append(done)
-        return done
-
-    def finish(self, priority: bool) -> None:
-        deadline = time.monotonic() + 10
-        while not self.pending[priority]:
-            assert time.monotonic() < deadline, "no replay was launched on that stream"
-            time.sleep(0.005)
-        self.pending[priority].pop(0).set()
-
-    def finish_all(self, until) -> None:
-        """Finish every replay as it is launched until `until()` holds."""
-        deadline = time.monotonic() + 10
-        while not until():
-            assert time.monotonic() < deadline, "the requests did not end"
-            for done in self.pending[False] + self.pending[True]:
-                done.set()
-            time.sleep(0.005)
-
-
-def scheduler_with_priority_stream(scheduler_of, decoder: StandInDecoder) -> tuple[TileScheduler, StandInGPU]:
-    gpu = StandInGPU(decoder)
-    scheduler = scheduler_of(decoder, completion=gpu.completion)
-    scheduler.look_ahead = True  # as on a GPU: launches do not wait for their samples
-    return scheduler, gpu
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
-def test_a_new_request_s_first_window_decodes_on_the_priority_stream_while_the_main_stream_is_busy(scheduler_of):
-    decoder = StandInDecoder(capacity=1, priority_capacity=4)
-    scheduler, gpu = scheduler_with_priority_stream(scheduler_of, decoder)
-    log = []
-    long = submit(scheduler, 60, 1.0, log)
-    gpu.finish(priority=True)  # its first window
-    wait_for(lambda: len(decoder.lanes) == 3, "the long stream's next two windows were not launched")
-    assert decoder.lanes == [True, False, False], "first window on the priority stream, two more on the main one"
-    short = submit(scheduler, 20, 2.0, log)
-    gpu.finish(priority=True)  # the main stream's two replays are still running
-    wait_for(lambda: len(short.tiles) == 1, "the new request's first tile waited for the main stream")
-    assert decoder.lanes[3] is True and decoder.batches[3] == [2.0]
-    assert len(long.tiles) == 1
-    gpu.finish_all(until=lambda: long.ended.is_set() and short.ended.is_set())
-    for sink, frames in ((long, 60), (short, 20)):
-        assert sink.ending == "complete"
-        torch.testing.assert_close(sink.waveform(), expected_waveform(frames), rtol=0, atol=0)
-
-
-def test_a_stream_s_next_window_waits_until_its_tile_from_the_priority_stream_is_handed_over(scheduler_of):
-    decoder = StandInDecoder(capacity=1, priority_capacity=4)
-    scheduler, gpu = scheduler_with_priority_stream(scheduler_of, decoder)
-    log = []
-    sink = submit(scheduler, 30, 1.0, log)
-    wait_for(lambda: decoder.lanes == [True], "the first window was not launched on the priority stream")
-    time.sleep(0.05)  # the main stream is idle, yet the second window must not overtake the first
-    assert decoder.lanes == [True] and sink.tiles == []
-    gpu.finish(priority=True)
-    gpu.finish_all(until=sink.ended.is_set)
-    assert decoder.lanes == [True, False, False]
-    assert [start for start, _ in sink.tiles] == [0, WINDOW * HOP, 2 * WINDOW * HOP]
-    torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
-
-
-def test_first_windows_of_several_requests_share_a_priority_replay_up_to_its_capacity(scheduler_of):
-    decoder = StandInDecoder(capacity=1, priority_capacity=2)
-    decoder.gate = threading.Event()  # the first replay waits until all three are in
-    scheduler, gpu = scheduler_with_priority_stream(scheduler_of, decoder)
-    log = []
-    sinks = [submit(scheduler, 10, tag, log) for tag in (1.0, 2.0, 3.0)]
-    decoder.gate.set()
-    gpu.finish_all(until=lambda: all(sink.ended.is_set() for sink in sinks))
-    assert all(sink.ending == "complete" for sink in sinks)
-    # The first replay took what had come (one or two); the rest shared the next.
-    assert decoder.lanes == [True, True] and sorted(map(len, decoder.batches)) == [1, 2]
-
-
 def test_windows_go_by_deadline_after_the_first(scheduler_of):
     now = [0.0]
     decoder = StandInDecoder(capacity=1)
@@ -306,9 +207,9 @@ class ShortFirstWindows(StandInDecoder):
     def batch_capacity(self, key: int) -> int:
         return 16 if key == self.FIRST else 1
 
-    def decode_rows(self, rows, priority=False):
+    def decode_rows(self, rows):
         self.now[0] += self.cost
-        return super().decode_rows(rows, priority)
+        return super().decode_rows(rows)
 
 
 class ClosedLoopClient(RecordingSink):
@@ -424,11 +325,11 @@ def test_a_failed_decode_fails_its_batch_only(scheduler_of):
     class FailingOnce(StandInDecoder):
         failed = False
 
-        def decode_rows(self, rows, priority=False):
+        def decode_rows(self, rows):
             if not self.failed and any(float(row[0, 0, 1]) == 2.0 for row in rows):
                 self.failed = True
                 raise RuntimeError("out of memory")
-            return super().decode_rows(rows, priority)
+            return super().decode_rows(rows)
 
     decoder = FailingOnce(capacity=1)
     scheduler = scheduler_of(decoder)
