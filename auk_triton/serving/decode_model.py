@@ -64,8 +64,10 @@ def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
 # Asking a request (or its sender: the same answer) whether it is cancelled is a round
 # trip to the server, about 30 us on the CPU. Seen on Triton 2.51, it answers True within
 # milliseconds once a gRPC client cancels its stream or call, once a gRPC call's deadline
-# passes, and once an HTTP generate_stream client closes its connection; a request
-# cancelled while it waited in Triton's queue still reaches `execute`, already cancelled.
+# passes, and once an HTTP generate_stream client closes its connection. A request cancelled
+# while it waits in Triton's queue is answered CANCELLED by Triton's dynamic batcher (the
+# configs enable it for that) and never reaches `execute`, except the one or two the batcher
+# has already taken for the instance, which arrive cancelled.
 # It stays False for an HTTP /infer whose client closed its connection (the HTTP server
 # does not read a connection while its request runs: triton-inference-server/server#7077),
 # so on a bare tritonserver such a request is decoded in full; the front door answers
@@ -245,7 +247,8 @@ class TritonPythonModel:
             arrived = time.monotonic()
             # The offline model's execute waits for the whole waveform, so its requests wait in
             # Triton's queue, out of the scheduler's sight (it asks only those that waited in
-            # it): ask each before its first window, one round trip (about 30 us on the CPU).
+            # it): ask each before its first window, one round trip (about 30 us on the CPU);
+            # the batcher may have taken it from the queue before its client went.
             if not self.decoupled and sink.cancelled():
                 sink.stop()
                 jobs.append((sink, pcm16))

@@ -2,7 +2,13 @@
 hold up the next good one (CPU, small synthetic weights). gRPC streams cancelled on the
 session's plain tritonserver; HTTP /infer connections closed on the front door's server,
 which answers /infer over gRPC and cancels the call when its client goes (Triton 2.51's own
-HTTP server never sees such a client: triton-inference-server/server#7077)."""
+HTTP server never sees such a client: triton-inference-server/server#7077).
+
+An abandoned request is stopped by the model (at its next window, or before its first: it logs
+"request cancelled"), or, cancelled while it waits in the dynamic batcher's queue, by Triton,
+which answers it CANCELLED without calling `execute` and counts it in
+nv_inference_request_failure{reason="CANCELED"}. Of a queue of cancelled requests only the one
+or two the batcher had already taken for the instance reach `execute`."""
 
 from __future__ import annotations
 
@@ -20,13 +26,9 @@ from triton_harness import TEST_TILE_FRAMES, DecodeStream
 
 STREAM_MODEL = "auk_vae_decode"
 OFFLINE_MODEL = "auk_vae_decode_offline"
-# Abandoned requests per test. Twenty were tried: on the 2-core CI machine twenty closed
-# HTTP connections came to 0.83 s of delay against two windows' 0.77 s (all are in the
-# server's queue before they close, so one is into a full window, and each of the others
-# still reaches `execute`: Triton 2.51 does not drop a cancelled request from its queue), and
-# twenty cancelled streams, beside a busy loop, left 17 or 18 of the model's cancel notices
-# (what became of the others the log does not say; ten once left 8 so).
-ABANDONED = 10
+# Abandoned requests per test, as the issue counts them. They are cancelled once all are in the
+# server: a stream's request cancelled before its client has sent it never arrives.
+ABANDONED = 20
 CANCEL_NOTICE = re.compile(r"(auk_vae_decode\w*): request cancelled")
 
 
@@ -64,14 +66,41 @@ def good_request_seconds(triton, model: str) -> float:
     return elapsed
 
 
-def cancel_notices(triton, model: str, since: int, expected: int = ABANDONED) -> int:
-    """How many requests of `model` the server logged cancelled since offset `since`, waiting a
-    while for `expected` (a model's log lines reach the server's log after its responses)."""
+def cancelled_by_triton(server, model: str) -> int:
+    """Requests of `model` that Triton answered CANCELLED itself, from its queue, so far."""
+    return int(server.metric("nv_inference_request_failure", model=model, reason="CANCELED"))
+
+
+def requests_done(server, model: str) -> int:
+    """Requests of `model` Triton is done with so far (answered, failed, or handed over by a
+    decoupled `execute`, which returns at once)."""
+    return int(server.metric("nv_inference_request_success", model=model)
+               + server.metric("nv_inference_request_failure", model=model))
+
+
+def wait_until_all_in_server(server, model: str, done_before: int = 0) -> None:
+    """Wait until every abandoned request is in the server: all handed to the streaming model's
+    scheduler, or for the offline model one decoding and the others in Triton's queue."""
+    deadline = time.monotonic() + 30
+    while not (
+        requests_done(server, model) - done_before >= ABANDONED
+        if model == STREAM_MODEL
+        else server.metric("nv_inference_pending_request_count", model=model) >= ABANDONED - 1
+    ):
+        assert time.monotonic() < deadline, "the abandoned requests did not all reach the server"
+        time.sleep(0.02)
+
+
+def stopped_requests(server, model: str, log_since: int, cancelled_before: int) -> tuple[int, int]:
+    """How many requests of `model` were stopped since then: (by the model, its "request
+    cancelled" notices past log offset `log_since`; by Triton, from its queue), waiting a while
+    for ABANDONED in all (a model's log lines reach the server's log after its responses)."""
     deadline = time.monotonic() + 10
     while True:
-        found = sum(1 for notice in CANCEL_NOTICE.finditer(triton.log()[since:]) if notice.group(1) == model)
-        if found >= expected or time.monotonic() > deadline:
-            return found
+        by_model = sum(1 for notice in CANCEL_NOTICE.finditer(server.log()[log_since:]) if notice.group(1) == model)
+        by_triton = cancelled_by_triton(server, model) - cancelled_before
+        if by_model + by_triton >= ABANDONED or time.monotonic() > deadline:
+            return by_model, by_triton
         time.sleep(0.1)
 
 
@@ -80,12 +109,14 @@ def test_requests_whose_grpc_streams_were_cancelled_do_not_delay_the_next_good_r
     triton, window_seconds, model
 ):
     idle = min(good_request_seconds(triton, model) for _ in range(2))
-    log_before = len(triton.log())
-    # Each clip spans several windows (a short first window, then full ones): decoded, the ten
-    # would take many windows, and the first is still decoding once the last is sent.
+    log_before, done_before = len(triton.log()), requests_done(triton, model)
+    cancelled_before = cancelled_by_triton(triton, model)
+    # Each clip spans several windows (a short first window, then full ones): decoded, the twenty
+    # would take many windows, and the first is still decoding once the last is in the server.
     streams = [DecodeStream(triton.grpc_url) for _ in range(ABANDONED)]
     for index, stream in enumerate(streams):
         stream.send(make_latents(600, seed=72 + index), request_id=f"gone-{index}", model=model)
+    wait_until_all_in_server(triton, model, done_before)
     for stream in streams:
         stream.close(cancel=True)
 
@@ -95,9 +126,12 @@ def test_requests_whose_grpc_streams_were_cancelled_do_not_delay_the_next_good_r
         f"the good request took {after:.2f} s after {ABANDONED} cancelled requests, {idle:.2f} s alone: "
         f"{delay:.2f} s of delay, more than two windows ({window_seconds:.2f} s each)"
     )
-    # Every abandoned request was stopped (the one decoding when its stream was cancelled at its
-    # next window, the queued ones before their first), none decoded to its end.
-    assert cancel_notices(triton, model, log_before) == ABANDONED
+    # Every abandoned request was stopped (the ones decoding when their streams were cancelled at
+    # their next window, the others before their first), none decoded to its end.
+    by_model, by_triton = stopped_requests(triton, model, log_before, cancelled_before)
+    print(f"{model}: {ABANDONED} cancelled streams: {delay:.2f} s of delay (bound {2 * window_seconds:.2f} s); "
+          f"stopped by the model {by_model}, by Triton {by_triton}")
+    assert by_model + by_triton == ABANDONED, (by_model, by_triton)
 
 
 def post_and_drop(http_url: str, latents: np.ndarray) -> socket.socket:
@@ -119,19 +153,16 @@ def test_http_requests_whose_connections_were_closed_do_not_delay_the_next_good_
     front_door, window_seconds
 ):
     idle = min(good_request_seconds(front_door, OFFLINE_MODEL) for _ in range(2))
-    log_before = len(front_door.log())
+    log_before, cancelled_before = len(front_door.log()), cancelled_by_triton(front_door, OFFLINE_MODEL)
     # Nearly two full windows each (a short first window, a full one, part of another): the
-    # first is still decoding when its connection closes; decoded, the ten take many windows.
+    # first is still decoding when its connection closes; decoded, the twenty take many windows.
     sockets = [
         post_and_drop(front_door.http_url, make_latents(2 * front_door.tile_frames - 28, seed=90 + i)) for i in range(ABANDONED)
     ]
     # Closed once the front has read, translated and passed on every request (one decoding, the
     # others in Triton's queue): what is timed is the server's stopping them, not the front's
-    # reading of ten JSON bodies on a busy machine.
-    deadline = time.monotonic() + 30
-    while front_door.metric("nv_inference_pending_request_count", model=OFFLINE_MODEL) < ABANDONED - 1:
-        assert time.monotonic() < deadline, "the abandoned requests did not all reach the server's queue"
-        time.sleep(0.02)
+    # reading of twenty JSON bodies on a busy machine.
+    wait_until_all_in_server(front_door, OFFLINE_MODEL)
     for sock in sockets:
         sock.close()
 
@@ -141,5 +172,9 @@ def test_http_requests_whose_connections_were_closed_do_not_delay_the_next_good_
         f"the good request took {after:.2f} s after {ABANDONED} closed connections, {idle:.2f} s alone: "
         f"{delay:.2f} s of delay, more than two windows ({window_seconds:.2f} s each)"
     )
-    # Each was stopped by the model (at its next window, or before its first), none decoded to its end.
-    assert cancel_notices(front_door, OFFLINE_MODEL, log_before) == ABANDONED, front_door.log()[log_before:][-3000:]
+    # Each was stopped (the one decoding at its next window, the one or two already taken from the
+    # queue before their first by the model, the rest by Triton), none decoded to its end.
+    by_model, by_triton = stopped_requests(front_door, OFFLINE_MODEL, log_before, cancelled_before)
+    print(f"{OFFLINE_MODEL}: {ABANDONED} closed connections: {delay:.2f} s of delay "
+          f"(bound {2 * window_seconds:.2f} s); stopped by the model {by_model}, by Triton {by_triton}")
+    assert by_model + by_triton == ABANDONED, (by_model, by_triton, front_door.log()[log_before:][-3000:])
