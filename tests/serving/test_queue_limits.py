@@ -1,0 +1,120 @@
+"""Bounded work on the real server (CPU, small synthetic weights): at most max_active_requests
+streams in the scheduler, the next ones in Triton's queue, and past its max_queue_size a request
+refused at once with a status a client can act on, while the others are served in full."""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+
+import numpy as np
+import pytest
+
+from triton_harness import DECODE_MODELS, DecodeStream, copy_model_repository, start_triton
+
+MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
+QUEUE_FULL = "Exceeds maximum queue size"
+
+
+@pytest.fixture(scope="module")
+def one_active_one_queued(tmp_path_factory, small_checkpoint):
+    """A server whose decode models take one request each (into the streaming model's scheduler,
+    or the offline instance's decode) and queue one more."""
+    workdir = tmp_path_factory.mktemp("queue_limits")
+    repository = copy_model_repository(workdir / "model_repository", parameters={"max_active_requests": 1})
+    for model in DECODE_MODELS:
+        config = repository / model / "config.pbtxt"
+        text, count = re.subn(r"max_queue_size: \d+", "max_queue_size: 1", config.read_text())
+        assert count == 1, f"{model}'s config has no max_queue_size"
+        config.write_text(text)
+    server = start_triton(workdir, repository, small_checkpoint)
+    yield server
+    server.stop()
+
+
+def make_latents(seed: int, frames: int = 600) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
+
+
+def test_past_the_active_limit_requests_queue_and_past_the_queue_size_one_is_refused_at_once(
+    one_active_one_queued,
+):
+    server = one_active_one_queued
+    streams, refused = [], None
+    try:
+        # One request decoding (several seconds here), the next ones waiting; sent one by one until
+        # the queue is full. Which of the waiting ones Triton's batcher holds for the instance and
+        # which sit in its queue is Triton's affair: at least one waits, and the first past the
+        # queue's room is refused.
+        for index in range(6):
+            streams.append(DecodeStream(server.grpc_url))
+            began = time.monotonic()
+            streams[-1].send(make_latents(index), request_id=str(index))
+            if index == 0:
+                assert streams[0].next_event(timeout=60)[1].events == ["tile"]  # in the scheduler
+                continue
+            try:  # a refusal comes at once; a waiting request says nothing for now
+                refused = streams[-1].next_event(timeout=0.5)[1]
+            except queue.Empty:
+                continue
+            assert time.monotonic() - began < 5, "the refusal waited for the queue"
+            break
+        assert refused is not None, "six requests fitted in one active place and a queue of one"
+        assert index >= 2, f"request {index} was refused with the active place taken and the queue empty"
+        assert refused.events == ["error"] and QUEUE_FULL in refused.error, refused
+        for stream, request_id in zip(streams[:index], map(str, range(index))):
+            outcome = stream.collect(timeout=120)[request_id]
+            assert outcome.error is None and outcome.events[-1] == "tile+final", outcome
+            assert outcome.waveform().size == 600 * 480
+    finally:
+        for stream in streams:
+            stream.close()
+    # Served once the queue has room again.
+    stream = DecodeStream(server.grpc_url)
+    try:
+        stream.send(make_latents(9), request_id="again")
+        assert stream.collect(timeout=120)["again"].events[-1] == "tile+final"
+    finally:
+        stream.close()
+
+
+def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and_503(one_active_one_queued):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    server = one_active_one_queued
+
+    def inputs(module, latents):
+        tensor = module.InferInput("LATENTS", list(latents.shape), "FP32")
+        tensor.set_data_from_numpy(latents)
+        return [tensor]
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        done = []
+        # One decoding, then more than the instance and its queue of one can hold: the one decoding
+        # takes several seconds here, these three less than two.
+        for seed in (10, 11, 12):
+            client.async_infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(seed)),
+                               lambda result, error: done.append((result, error)))
+            time.sleep(0.5)
+        with pytest.raises(InferenceServerException, match=QUEUE_FULL) as refused:
+            client.infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(13, frames=20)))
+        assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        with pytest.raises(InferenceServerException, match=QUEUE_FULL) as refused:
+            http.infer(OFFLINE_MODEL, inputs(httpclient, make_latents(14, frames=20)))
+        assert refused.value.status() == "503"
+        deadline = time.monotonic() + 120
+        while len(done) < 3:
+            assert time.monotonic() < deadline, "the requests sent first did not all end"
+            time.sleep(0.05)
+        served = [result for result, error in done if error is None]
+        assert len(served) >= 2, done  # the one decoding and one waiting at least
+        assert all(result.as_numpy("WAVEFORM").size == 600 * 480 for result in served)
+        assert all(QUEUE_FULL in str(error) for _, error in done if error is not None), done
+    finally:
+        client.close()
+        http.close()
