@@ -28,7 +28,7 @@ OFFLINE_MODEL = "auk_vae_decode_offline"
 # Abandoned requests per test. They are cancelled once all are in the server: a stream's request
 # cancelled before its client has sent it never arrives. The issue counts twenty: tried on the
 # 2-core CI machine, twenty offline requests (on gRPC streams, or HTTP through the front door)
-# put the good one past two windows in one run of four to nine. Their queue drains at once
+# put the good one past two windows in some runs. Their queue drains at once
 # (Triton answers the queued ones itself); the one decoding then often runs a window past its
 # cancellation, and that window takes up to twice its idle time.
 ABANDONED = 10
@@ -41,8 +41,8 @@ def make_latents(frames: int, seed: int) -> np.ndarray:
 
 def served_window_seconds(server) -> float:
     """One full window's decode as `server` serves it, idle: the median gap between the tiles of a
-    streamed clip's full windows (on the 2-core CI machine about 1.5x the same decode in the
-    test's own process: the server's processes share the cores). The unit of delay."""
+    streamed clip's full windows (slower than the same decode in the test's own process, on the
+    cores the server's processes share). The unit of delay."""
     stream = DecodeStream(server.grpc_url)
     try:
         stream.send(make_latents(2 * TEST_TILE_FRAMES, seed=70), request_id="unit", model=STREAM_MODEL)
