@@ -3,11 +3,16 @@ against what the same batched graphs decode in process.
 
 A real `tritonserver` (started here on a synthetic checkpoint, or `--url` on this
 host) is driven over gRPC streaming, one client and stream per simulated user in
-its own thread. Closed loop: each client sends its next request when the last
-has ended. Open loop: seeded Poisson arrivals on a bounded pool of streams
-(arrivals that find none idle are counted, not started); `--find-max-load` steps
-the load up to the highest that keeps first audio p99 within target with no
-underrun. Clip lengths are drawn per request from `--clips`.
+its own thread. The users are spread over `--client-processes` worker processes:
+in one Python process, every stream's tiles would queue for one interpreter lock
+and the client itself would delay first audio. Closed loop: each client sends
+its next request when the last has ended. Open loop: seeded Poisson arrivals
+(each worker process an independent share of the rate, which sums to a Poisson
+process of the full rate) on a bounded pool of streams (arrivals that find none
+idle in their process are counted, not started); `--find-max-load` steps the
+load up to the highest that keeps first audio p99 within target with no
+underrun. Clip lengths are drawn per request from `--clips`. `--mode closed
+open` runs both on one server.
 
 Per request the client checks START_SAMPLE continuity, the final flag and the
 sample count, and times first audio and total; an underrun is a tile that
@@ -28,10 +33,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import math
+import multiprocessing
+import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -216,15 +226,15 @@ class StreamClient:
 
 
 class StreamPool:
-    """Streams made as runs need them, kept for later runs (their connections stay up)."""
+    """A worker's streams, made as runs need them and kept for later runs (their connections stay up)."""
 
-    def __init__(self, url: str, output: str):
-        self.url, self.output = url, output
+    def __init__(self, url: str, output: str, prefix: str):
+        self.url, self.output, self.prefix = url, output, prefix
         self.streams: list[StreamClient] = []
 
     def take(self, count: int) -> list[StreamClient]:
         while len(self.streams) < count:
-            self.streams.append(StreamClient(self.url, f"s{len(self.streams)}", self.output))
+            self.streams.append(StreamClient(self.url, f"{self.prefix}s{len(self.streams)}", self.output))
         return self.streams[:count]
 
     def close(self) -> None:
@@ -241,27 +251,186 @@ def in_threads(target, items) -> None:
         thread.join()
 
 
-def warm_up(streams: list[StreamClient], mix: tuple[Clip, ...]) -> list[RequestOutcome]:
-    """The mix's shortest clip on every stream at once (its connection, the server's first
-    windows), then every other length once on the first stream."""
+def wait_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.perf_counter()))
+
+
+class LoadError(RuntimeError):
+    """A run that cannot end: the runs after it are not made."""
+
+
+# ---- a worker process's share of a run -------------------------------------------------------
+# perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of the host: the
+# parent gives each share the moment it starts, and reads the outcomes' times against it.
+
+
+def warm_up(pool: StreamPool, count: int, mix: tuple[Clip, ...], others: bool) -> tuple[list[RequestOutcome], int]:
+    """The mix's shortest clip on `count` streams at once (their connections, the server's first
+    windows), then (`others`) every other length once on the first stream."""
+    streams = pool.take(count)
     shortest = min(mix, key=lambda clip: clip.seconds)
     outcomes: list[RequestOutcome] = []
     in_threads(lambda _, stream: outcomes.append(stream.decode(shortest)), streams)
-    for clip in mix:
+    for clip in mix if others else ():
         if clip is not shortest:
             outcomes.append(streams[0].decode(clip))
-    for stream in streams:
-        stream.warm = True
-    errors = [outcome.error for outcome in outcomes if outcome.error]
-    if errors:
-        say(f"warm-up: {len(errors)} of {len(outcomes)} requests failed, the first: {errors[0]}")
-    return outcomes
+    return outcomes, 0
 
 
-def warmed_up_metrics(metrics_url: str | None, streams: list[StreamClient], mix: tuple[Clip, ...]):
+def closed_clients(pool: StreamPool, mix: tuple[Clip, ...], indices: list[int], clients: int, seconds: float,
+                   requests: int | None, seed: int, start_at: float) -> tuple[list[RequestOutcome], int]:
+    """Closed-loop clients `indices` (of `clients`), each on a stream of its own: from `start_at`,
+    its next request when the last has ended, for `seconds` (or `requests` each), clip lengths
+    drawn per request from a generator of its own."""
+    outcomes: list[RequestOutcome] = []
+
+    def client(slot: int, stream: StreamClient) -> None:
+        draws = np.random.default_rng([seed, clients, indices[slot]])
+        wait_until(start_at)
+        deadline, sent = start_at + seconds, 0
+        while not stream.closed and ((sent < requests) if requests is not None else time.perf_counter() < deadline):
+            outcomes.append(stream.decode(mix[draws.integers(len(mix))]))
+            sent += 1
+
+    in_threads(client, pool.take(len(indices)))
+    return outcomes, 0
+
+
+def poisson_arrivals(rate: float, duration: float, clip_count: int, draws: np.random.Generator):
+    """(seconds from the start, clip index) of each arrival of a Poisson process of `rate`."""
+    arrivals, at = [], draws.exponential(1 / rate)
+    while at < duration:
+        arrivals.append((at, int(draws.integers(clip_count))))
+        at += draws.exponential(1 / rate)
+    return arrivals
+
+
+def open_arrivals(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration: float, streams: int,
+                  seed: list[int], start_at: float, label: str) -> tuple[list[RequestOutcome], int]:
+    """Poisson arrivals of `rate` per second for `duration` seconds from `start_at`, each a new
+    request on an idle stream of `streams`; an arrival that finds none idle is counted, not started."""
+    mine = pool.take(streams)
+    arrivals = poisson_arrivals(rate, duration, len(mix), np.random.default_rng(seed))
+    outcomes: list[RequestOutcome] = []
+    idle: queue.SimpleQueue = queue.SimpleQueue()
+    inboxes = [queue.SimpleQueue() for _ in mine]
+
+    def worker(index: int, stream: StreamClient) -> None:
+        while (item := inboxes[index].get()) is not None:
+            clip, due = item
+            outcomes.append(stream.decode(clip, due))
+            idle.put(index)
+
+    threads = [threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(mine)]
+    for index, thread in enumerate(threads):
+        thread.start()
+        idle.put(index)
+    not_started = 0
+    for at, clip_index in arrivals:
+        wait_until(start_at + at)
+        try:
+            index = idle.get_nowait()
+        except queue.Empty:
+            not_started += 1
+            continue
+        inboxes[index].put((mix[clip_index], start_at + at))
+    for inbox in inboxes:
+        inbox.put(None)
+    drain_until = time.perf_counter() + DRAIN_TIMEOUT_S
+    for thread in threads:
+        thread.join(max(0.0, drain_until - time.perf_counter()))
+    if any(thread.is_alive() for thread in threads):
+        raise LoadError(f"requests still running {DRAIN_TIMEOUT_S:g} s after the last arrival at {label}: "
+                        "the server is far past its capacity")
+    return outcomes, not_started
+
+
+SHARES = {"warm_up": warm_up, "closed": closed_clients, "open": open_arrivals}
+
+
+def client_process(url: str, output: str, clip_seconds: tuple[float, ...], worker: int, connection) -> None:
+    """A worker process: runs the shares its parent sends, (name, kwargs with `mix` as clip
+    seconds), and answers each with ("ok", (outcomes as dicts, not started)) or ("error", text)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes the workers
+    clips = make_clips(clip_seconds)  # seeded: the same latents as every other process's
+    pool = StreamPool(url, output, f"w{worker}")
+    try:
+        while (command := connection.recv()) is not None:
+            name, kwargs = command
+            try:
+                outcomes, not_started = SHARES[name](pool, **{**kwargs, "mix": tuple(clips[s] for s in kwargs["mix"])})
+                connection.send(("ok", ([dataclasses.asdict(o) for o in outcomes], not_started)))
+            except Exception as err:  # noqa: BLE001  (the parent reports it and stops)
+                connection.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        pool.close()
+
+
+class ClientProcesses:
+    """The simulated users' worker processes, each with streams of its own, kept across runs."""
+
+    def __init__(self, url: str, output: str, clip_seconds, count: int):
+        context = multiprocessing.get_context("spawn")  # no fork of a process that has used CUDA
+        self.workers = []
+        for worker in range(count):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=client_process, args=(url, output, tuple(clip_seconds), worker, theirs),
+                                      daemon=True)
+            process.start()
+            theirs.close()
+            self.workers.append((process, mine))
+        self.warm = [0] * count  # streams warmed up, per worker
+
+    def split(self, streams: int) -> list[int]:
+        """Streams per worker: as even as can be, on the first min(streams, workers)."""
+        used = min(streams, len(self.workers))
+        return [streams // used + (worker < streams % used) for worker in range(used)]
+
+    def run(self, name: str, shares: list[dict]) -> tuple[list[RequestOutcome], int]:
+        """Share `name` on the first len(shares) workers at once, each with its own kwargs: their
+        outcomes together, and how many arrivals found no idle stream."""
+        for (_, connection), kwargs in zip(self.workers, shares):
+            connection.send((name, kwargs))
+        outcomes, not_started, failures = [], 0, []
+        for (_, connection), _ in zip(self.workers, shares):
+            try:
+                status, value = connection.recv()
+            except EOFError:
+                status, value = "error", "a client process exited"
+            if status == "error":
+                failures.append(value)
+                continue
+            done, unstarted = value
+            outcomes += [RequestOutcome(**fields) for fields in done]
+            not_started += unstarted
+        if failures:
+            raise LoadError(f"{len(failures)} client processes failed, the first: {failures[0]}")
+        return outcomes, not_started
+
+    def warm_up(self, counts: list[int], mix: tuple[float, ...]) -> list[RequestOutcome]:
+        outcomes, _ = self.run("warm_up", [dict(count=count, mix=mix, others=worker == 0)
+                                           for worker, count in enumerate(counts)])
+        for worker, count in enumerate(counts):
+            self.warm[worker] = max(self.warm[worker], count)
+        errors = [outcome.error for outcome in outcomes if outcome.error]
+        if errors:
+            say(f"warm-up: {len(errors)} of {len(outcomes)} requests failed, the first: {errors[0]}")
+        return outcomes
+
+    def close(self) -> None:
+        for _, connection in self.workers:
+            with contextlib.suppress(OSError):
+                connection.send(None)
+        for process, _ in self.workers:
+            process.join(timeout=15)
+            if process.is_alive():
+                process.terminate()
+
+
+def warmed_up_metrics(metrics_url: str | None, clients: ClientProcesses, counts: list[int], mix: tuple[float, ...]):
     """Warm up, and the metrics once they count the warm-up's tiles: a run's snapshot before it."""
     baseline = model_metrics(metrics_url)
-    return metrics_after(metrics_url, baseline, warm_up(streams, mix))
+    return metrics_after(metrics_url, baseline, clients.warm_up(counts, mix))
 
 
 # ---- the server's numbers -------------------------------------------------------------------
@@ -339,10 +508,6 @@ def server_numbers(before: dict | None, after: dict | None) -> dict | None:
 # ---- runs -----------------------------------------------------------------------------------
 
 
-class LoadError(RuntimeError):
-    """A run that cannot end: the runs after it are not made."""
-
-
 
 @dataclass
 class Run:
@@ -377,91 +542,42 @@ class Run:
         return float(np.percentile(values, 50)), float(np.percentile(values, 99))
 
 
-def run_closed_loop(pool: StreamPool, mix: tuple[Clip, ...], clients: int, seconds: float, requests: int | None,
-                    seed: int, metrics_url: str | None) -> Run:
-    """`clients` streams, each sending its next request when the last has ended, for `seconds`
-    (or `requests` each), clip lengths drawn per request from a generator of its own."""
-    streams = pool.take(clients)
-    before = warmed_up_metrics(metrics_url, streams, mix)
-    outcomes: list[RequestOutcome] = []
-    start = threading.Barrier(clients + 1)
+# The moment a run starts, this long after its shares are sent: every worker has its share by then.
+START_DELAY_S = 0.5
 
-    def client(index: int, stream: StreamClient) -> None:
-        draws = np.random.default_rng([seed, clients, index])
-        start.wait()
-        deadline, sent = time.perf_counter() + seconds, 0
-        while not stream.closed and ((sent < requests) if requests is not None else time.perf_counter() < deadline):
-            outcomes.append(stream.decode(mix[draws.integers(len(mix))]))
-            sent += 1
 
-    threads = [threading.Thread(target=client, args=(i, s), daemon=True) for i, s in enumerate(streams)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall = max((outcome.ended for outcome in outcomes), default=began) - began
+def run_closed_loop(clients: ClientProcesses, mix: tuple[float, ...], count: int, seconds: float,
+                    requests: int | None, seed: int, metrics_url: str | None) -> Run:
+    """`count` closed-loop clients over the workers (client i on worker i mod workers)."""
+    counts = clients.split(count)
+    before = warmed_up_metrics(metrics_url, clients, counts, mix)
+    start_at = time.perf_counter() + START_DELAY_S
+    shares = [dict(mix=mix, indices=list(range(worker, count, len(counts))), clients=count, seconds=seconds,
+                   requests=requests, seed=seed, start_at=start_at) for worker in range(len(counts))]
+    outcomes, _ = clients.run("closed", shares)
+    wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
-    label = f"{clients} client{'' if clients == 1 else 's'}"
-    return Run("closed", label, tuple(c.seconds for c in mix), outcomes, wall, server=server_numbers(before, after))
+    label = f"{count} client{'' if count == 1 else 's'}"
+    return Run("closed", label, mix, outcomes, wall, server=server_numbers(before, after))
 
 
-def poisson_arrivals(rate: float, duration: float, clip_count: int, draws: np.random.Generator):
-    """(seconds from the start, clip index) of each arrival of a Poisson process of `rate`."""
-    arrivals, at = [], draws.exponential(1 / rate)
-    while at < duration:
-        arrivals.append((at, int(draws.integers(clip_count))))
-        at += draws.exponential(1 / rate)
-    return arrivals
-
-
-def run_open_loop(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration: float, max_streams: int,
+def run_open_loop(clients: ClientProcesses, mix: tuple[float, ...], rate: float, duration: float, max_streams: int,
                   seed: int, metrics_url: str | None, label: str) -> Run:
-    """Poisson arrivals of `rate` per second for `duration` seconds, each a new request on an idle
-    stream of the pool; an arrival that finds none idle is counted, not started."""
-    streams = pool.take(max_streams)
-    if all(stream.warm for stream in streams):
+    """Poisson arrivals of `rate` per second for `duration` seconds: each worker an independent
+    share of the rate on its share of `max_streams` streams."""
+    workers = len(clients.workers)
+    per_worker = math.ceil(max_streams / workers)
+    if all(warm >= per_worker for warm in clients.warm):
         before = model_metrics(metrics_url)  # the last run's metrics_after waited for its counters
     else:
-        before = warmed_up_metrics(metrics_url, streams, mix)
-    arrivals = poisson_arrivals(rate, duration, len(mix), np.random.default_rng([seed, int(rate * 1000)]))
-    outcomes: list[RequestOutcome] = []
-    idle: queue.SimpleQueue = queue.SimpleQueue()
-    inboxes = [queue.SimpleQueue() for _ in streams]
-
-    def worker(index: int, stream: StreamClient) -> None:
-        while (item := inboxes[index].get()) is not None:
-            clip, due = item
-            outcomes.append(stream.decode(clip, due))
-            idle.put(index)
-
-    threads = [threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(streams)]
-    for index, thread in enumerate(threads):
-        thread.start()
-        idle.put(index)
-    not_started = 0
-    began = time.perf_counter()
-    for at, clip_index in arrivals:
-        time.sleep(max(0.0, began + at - time.perf_counter()))
-        try:
-            index = idle.get_nowait()
-        except queue.Empty:
-            not_started += 1
-            continue
-        inboxes[index].put((mix[clip_index], began + at))
-    for inbox in inboxes:
-        inbox.put(None)
-    drain_until = time.perf_counter() + DRAIN_TIMEOUT_S
-    for thread in threads:
-        thread.join(max(0.0, drain_until - time.perf_counter()))
-    if any(thread.is_alive() for thread in threads):
-        raise LoadError(f"requests still running {DRAIN_TIMEOUT_S:g} s after the last arrival at {label}: "
-                        "the server is far past its capacity")
-    wall = max((outcome.ended for outcome in outcomes), default=began) - began
+        before = warmed_up_metrics(metrics_url, clients, [per_worker] * workers, mix)
+    start_at = time.perf_counter() + START_DELAY_S
+    shares = [dict(mix=mix, rate=rate / workers, duration=duration, streams=per_worker,
+                   seed=[seed, int(rate * 1000), worker], start_at=start_at, label=label) for worker in range(workers)]
+    outcomes, not_started = clients.run("open", shares)
+    wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
-    return Run("open", label, tuple(c.seconds for c in mix), outcomes, wall, not_started,
-               server_numbers(before, after))
+    return Run("open", label, mix, outcomes, wall, not_started, server_numbers(before, after))
 
 
 # ---- the in-process capacity ----------------------------------------------------------------
@@ -659,7 +775,9 @@ def meets_target(run: Run, p99_target_ms: float) -> bool:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("closed", "open"), default="closed")
+    parser.add_argument("--mode", choices=("closed", "open"), nargs="+", default=None,
+                        help="closed, open, or both (in that order, on one server); default closed, or open with "
+                             "--find-max-load")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="closed loop: clients per run")
     parser.add_argument("--seconds-per-run", type=float, default=15.0, help="closed loop: seconds of requests per run")
     parser.add_argument("--requests", type=int, default=None,
@@ -671,11 +789,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-streams", type=int, default=64, help="open loop: streams in the pool")
     parser.add_argument("--find-max-load", action="store_true",
                         help=f"open loop: step the load up (default {' '.join(map(str, LOAD_STEPS))} of the "
-                             "capacity, or --load / --rates) until a step misses the target; implies --mode open")
+                             "capacity, or --load / --rates) of the open loop until a step misses the target")
     parser.add_argument("--p99-target-ms", type=float, default=50.0, help="--find-max-load: first audio p99 target")
     parser.add_argument("--clips", type=float, nargs="+", default=[2, 10, 30, 60],
                         help="clip lengths in seconds, drawn uniformly per request")
-    parser.add_argument("--each-clip", action="store_true", help="run each clip length on its own instead of the mix")
+    parser.add_argument("--each-clip", action="store_true",
+                        help="closed loop: each clip length on its own instead of the mix (the open loop runs the mix)")
+    parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                        help="worker processes the clients are spread over (default: half the cores, at most 8)")
     parser.add_argument("--format", choices=list(OUTPUTS), default="pcm16",
                         help="pcm16: WAVEFORM_PCM16 (int16); float32: WAVEFORM")
     parser.add_argument("--seed", type=int, default=SEED, help="clip draws and arrivals")
@@ -698,13 +819,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log", default="tritonserver.log")
     args = parser.parse_args()
 
-    if args.find_max_load:
-        args.mode = "open"
+    if args.mode is None:
+        args.mode = ["open"] if args.find_max_load else ["closed"]
+    elif args.find_max_load and "open" not in args.mode:
+        parser.error("--find-max-load steps the open loop: give --mode open (or closed open)")
+    args.mode = [mode for mode in ("closed", "open") if mode in args.mode]
+    if args.client_processes < 1:
+        parser.error("--client-processes must be at least 1")
     if args.capacity is None:
         args.capacity = args.device == "cuda" and torch.cuda.is_available()
     if args.capacity and (args.device != "cuda" or not torch.cuda.is_available()):
         parser.error("--capacity needs CUDA")
-    if args.mode == "open":
+    if "open" in args.mode:
         if args.rates is None and args.load is None and not args.find_max_load:
             parser.error("the open loop needs --rates or --load (or --find-max-load)")
         if args.rates is None and not args.capacity:
@@ -749,29 +875,36 @@ def offered_rates(args, capacity: Capacity | None, mix: tuple[float, ...]) -> li
             for fraction in (args.load or LOAD_STEPS)]
 
 
-def run_all(args, pool: StreamPool, mixes, capacity: Capacity | None, metrics_url: str | None, runs: list) -> None:
-    """Every run of the chosen mode, mix by mix; appends each to `runs` as it ends."""
-    for mix in mixes:
-        seconds = tuple(clip.seconds for clip in mix)
-        steps = args.clients if args.mode == "closed" else offered_rates(args, capacity, seconds)
-        passed = None
-        for step in steps:
-            if args.mode == "closed":
-                run = run_closed_loop(pool, mix, step, args.seconds_per_run, args.requests, args.seed, metrics_url)
-            else:
-                rate, label = step
-                run = run_open_loop(pool, mix, rate, args.duration, args.max_streams, args.seed, metrics_url, label)
-            run.capacity = capacity.audio_per_second(seconds) if capacity else None
-            runs.append(run)
-            say(run_line(run))
-            if args.find_max_load:
-                if not meets_target(run, args.p99_target_ms):
-                    break  # the steps go up: the rest would miss it too
-                passed = run
-        if args.find_max_load:
-            verdict = f"{passed.load}, {passed.audio_per_second():.1f} audio s/s" if passed else "none of the steps"
-            say(f"highest load with first audio p99 <= {args.p99_target_ms:g} ms and no underrun, error or unstarted "
-                f"request, clips {'/'.join(f'{s:g}' for s in seconds)} s: {verdict}")
+def clip_mixes(args, mode: str) -> list[tuple[float, ...]]:
+    """The clip mixes a mode runs: each length on its own (closed loop, --each-clip), or all of them."""
+    return [(s,) for s in args.clips] if args.each_clip and mode == "closed" else [tuple(args.clips)]
+
+
+def run_all(args, clients: ClientProcesses, capacity: Capacity | None, metrics_url: str | None, runs: list) -> None:
+    """Every run of the chosen modes, mix by mix; appends each to `runs` as it ends."""
+    for mode in args.mode:
+        for mix in clip_mixes(args, mode):
+            steps = args.clients if mode == "closed" else offered_rates(args, capacity, mix)
+            passed = None
+            for step in steps:
+                if mode == "closed":
+                    run = run_closed_loop(clients, mix, step, args.seconds_per_run, args.requests, args.seed,
+                                          metrics_url)
+                else:
+                    rate, label = step
+                    run = run_open_loop(clients, mix, rate, args.duration, args.max_streams, args.seed, metrics_url,
+                                        label)
+                run.capacity = capacity.audio_per_second(mix) if capacity else None
+                runs.append(run)
+                say(run_line(run))
+                if args.find_max_load and mode == "open":
+                    if not meets_target(run, args.p99_target_ms):
+                        break  # the steps go up: the rest would miss it too
+                    passed = run
+            if args.find_max_load and mode == "open":
+                verdict = f"{passed.load}, {passed.audio_per_second():.1f} audio s/s" if passed else "none of the steps"
+                say(f"highest load with first audio p99 <= {args.p99_target_ms:g} ms and no underrun, error or "
+                    f"unstarted request, clips {'/'.join(f'{s:g}' for s in mix)} s: {verdict}")
 
 
 def main() -> None:
@@ -786,17 +919,14 @@ def main() -> None:
     say(f"settings ({where}): buckets {','.join(map(str, settings.compile_shapes))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
         f"max active requests {settings.max_active_requests}")
-    clips = make_clips(args.clips)
-    mixes = [(clips[s],) for s in args.clips] if args.each_clip else [tuple(clips[s] for s in args.clips)]
     checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)
 
     capacity = None
     if args.capacity:
-        capacity = measure_capacity(checkpoint, settings, list(clips), args.capacity_iters)
-        for mix in mixes:
-            seconds = tuple(clip.seconds for clip in mix)
-            say(f"capacity, clips {'/'.join(f'{s:g}' for s in seconds)} s: {capacity.audio_per_second(seconds):.0f} "
-                f"audio s per s ({capacity.requests_per_second(seconds):.2f} requests per s)")
+        capacity = measure_capacity(checkpoint, settings, args.clips, args.capacity_iters)
+        for mix in dict.fromkeys(mix for mode in args.mode for mix in clip_mixes(args, mode)):
+            say(f"capacity, clips {'/'.join(f'{s:g}' for s in mix)} s: {capacity.audio_per_second(mix):.0f} "
+                f"audio s per s ({capacity.requests_per_second(mix):.2f} requests per s)")
     else:
         say("in-process capacity: not measured (" + ("no CUDA" if args.device != "cuda" else "--no-capacity") + ")")
 
@@ -807,10 +937,11 @@ def main() -> None:
             url, metrics_url = args.url, args.metrics_url
         else:
             url, metrics_url = serve(args, checkpoint, cache, stack)
-        pool = StreamPool(url, OUTPUTS[args.format])
-        stack.callback(pool.close)
+        say(f"{args.client_processes} client processes")
+        clients = ClientProcesses(url, OUTPUTS[args.format], args.clips, args.client_processes)
+        stack.callback(clients.close)
         try:
-            run_all(args, pool, mixes, capacity, metrics_url, runs)
+            run_all(args, clients, capacity, metrics_url, runs)
         except KeyboardInterrupt:
             say("interrupted: the runs so far follow")
             status = 130

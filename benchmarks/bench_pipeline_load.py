@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,17 @@ def closed_loop(url, embeds, seconds, recipe, clients: int, requests: int) -> di
             "throughput": len(results) / elapsed, "errors": len(errors)}
 
 
+def dit_counts(metrics_url: str) -> tuple[float, float]:
+    """auk_dit's (requests, executions) on Triton's metrics port: their growth over a run is
+    the dynamic batcher's requests per execute."""
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(value) for value in re.findall(rf'^{name}\{{[^}}]*model="auk_dit"[^}}]*\}} (\S+)$', text, re.M))
+
+    return total("nv_inference_count"), total("nv_inference_exec_count")
+
+
 def repository(dest: Path, max_batch_requests: str, queue_delay_us: int | None) -> Path:
     """A copy of model_repository/ whose auk_dit configs set max_batch_requests (and the queue delay)."""
     model_repository_copy(dest)
@@ -232,19 +244,23 @@ def main() -> None:
             recipe = all_recipes[name]
             for mode in args.modes:
                 repo = repository(cache / f"repository-{name}-{mode}", MODES[mode], args.queue_delay_us)
-                process, url, _, _ = start_server(dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900,
-                                                  device=device, model_repository=repo)
+                process, url, _, metrics_url = start_server(dirs[name], cache, Path(args.log), MODELS,
+                                                            ready_timeout_s=900, device=device, model_repository=repo)
                 try:
                     row = one_client(url, embeds, args.seconds, recipe, args.reps)
+                    before = dit_counts(metrics_url)
                     row.update({f"load_{k}": v for k, v in
                                 closed_loop(url, embeds, args.seconds, recipe, args.clients, args.requests).items()})
+                    after = dit_counts(metrics_url)
+                    executions = after[1] - before[1]
+                    row["load_batch"] = (after[0] - before[0]) / executions if executions else float("nan")
                 finally:
                     process.terminate()
                     process.wait(timeout=120)
                 served[name, mode] = row
                 say(f"served, {name}, batching {mode}: one client first audio {row['first_p50']:.1f} ms; "
                     f"{args.clients} clients first audio p50 {row['load_first_p50']:.1f} / p99 {row['load_first_p99']:.1f} ms, "
-                    f"{row['load_throughput']:.2f} requests/s")
+                    f"{row['load_throughput']:.2f} requests/s, auk_dit {row['load_batch']:.2f} requests per execute")
 
     say()
     say("| recipe | step ms by batch (per request) | batched vs alone: max err / cosine |")
@@ -255,8 +271,9 @@ def main() -> None:
     if served:
         say()
         say(f"| recipe | auk_dit batching | 1 client: first audio p50 | total p50 | {args.clients} clients: first audio "
-            "p50 | p99 | p99 / 1-client p50 | total p50 | p99 | requests/s | vs off | first-audio floor |")
-        say("| --- " * 12 + "|")
+            "p50 | p99 | p99 / 1-client p50 | total p50 | p99 | requests/s | vs off | requests per execute "
+            "| first-audio floor |")
+        say("| --- " * 13 + "|")
         for (name, mode), row in served.items():
             off = served.get((name, "off"))
             gain = f"{row['load_throughput'] / off['load_throughput']:.2f}x" if off else "-"
@@ -265,7 +282,7 @@ def main() -> None:
             per_request = all_recipes[name].get("num_steps", 4) * steps[name][b] / b
             say(f"| {name} | {mode} | {row['first_p50']:.1f} | {row['total_p50']:.1f} | {row['load_first_p50']:.1f} | "
                 f"{row['load_first_p99']:.1f} | {row['load_first_p99'] / one:.2f} | {row['load_total_p50']:.1f} | "
-                f"{row['load_total_p99']:.1f} | {row['load_throughput']:.2f} | {gain} | "
+                f"{row['load_total_p99']:.1f} | {row['load_throughput']:.2f} | {gain} | {row['load_batch']:.2f} | "
                 f"{args.clients * per_request:.0f} ms |")
         say("(p99 / 1-client p50: against batching off's one client, today's figure. The floor: clients x the "
             f"DiT's time per request at batch {max(args.batch_sizes)}; closed-loop first audio cannot go below it.)")

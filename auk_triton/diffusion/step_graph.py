@@ -12,6 +12,12 @@ reads are static buffers: the state x, the time t, and every tensor of the
 context (text and reference embeddings, masks, attention biases, rotary tables),
 which a run of a cached shape copies in. A padded batch's masks differ from run
 to run while its shape stays, so they are inputs like the embeddings.
+
+A batched run's row count is rounded up to a power of two (`graph_rows`), so the
+batch sizes a dynamic batcher hands over (any of 1..16) share five graphs instead
+of sixteen captures. All graphs capture into one private memory pool: they
+replay one at a time on one stream and each output is read before the next
+replay, so the pool holds about the largest graph's memory, not the sum.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
     return tensors
 
 
+def graph_rows(rows: int) -> int:
+    """The rows a graphed run of `rows` requests replays: the next power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 def graph_key(ctx: DiTContext, x_shape) -> tuple:
     """The cache key of a context: equal keys have tensors of equal shapes, field by field."""
     shapes = tuple(None if getattr(ctx, f.name) is None else f.name for f in fields(ctx))
@@ -47,7 +58,7 @@ def graph_key(ctx: DiTContext, x_shape) -> tuple:
 
 
 class _GraphedStep:
-    def __init__(self, model: AuKTransformer, ctx: DiTContext, x_shape, autocast):
+    def __init__(self, model: AuKTransformer, ctx: DiTContext, x_shape, autocast, pool):
         device = ctx.c.device
         self.ctx = ctx  # its tensors become the graph's static inputs
         self.x = torch.zeros(x_shape, dtype=torch.float32, device=device)
@@ -57,7 +68,7 @@ class _GraphedStep:
             with autocast():
                 return model.step(self.x, self.t, ctx)
 
-        self.graph, self.out = capture(step, warmups=1)
+        self.graph, self.out = capture(step, pool=pool, warmups=1)
 
     def load(self, ctx: DiTContext) -> None:
         """Copy a run's own context tensors into the graph's (same shapes, by the key)."""
@@ -75,9 +86,10 @@ class _GraphedStep:
 class DiTGraphCache:
     """Captured velocity steps for the last `max_graphs` run shapes (least recently used goes first)."""
 
-    def __init__(self, model: AuKTransformer, autocast, max_graphs: int = 4):
+    def __init__(self, model: AuKTransformer, autocast, max_graphs: int):
         self.model, self.autocast, self.max_graphs = model, autocast, max_graphs
         self._graphs: OrderedDict[tuple, _GraphedStep] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if max_graphs > 0 else None
         self.captures = 0
 
     def velocity(self, ctx: DiTContext, x_shape):
@@ -90,7 +102,7 @@ class DiTGraphCache:
             while len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
             try:
-                step = _GraphedStep(self.model, ctx, x_shape, self.autocast)
+                step = _GraphedStep(self.model, ctx, x_shape, self.autocast, self._pool)
             except Exception as err:  # out of memory, an op that cannot be captured: serve eagerly
                 log.warning("CUDA graph capture failed for shape %s, running eagerly: %s: %s",
                             key[:3], type(err).__name__, err)

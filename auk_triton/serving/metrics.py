@@ -13,7 +13,7 @@ from .triton_io import log
 
 TIERS = ("compiled", "batched", "graph", "eager")
 WINDOWS_PER_REPLAY_BUCKETS = [1, 2, 4, 8, 16, 32]
-FIRST_AUDIO_BUCKETS_S = [0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+FIRST_AUDIO_BUCKETS_S = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 
 class DecodeMetrics:
