@@ -12,9 +12,7 @@ with the same `run_key` (the same time grid, both guided or both not; guidance
 scales may differ per row). Rows are padded to the longest prompt, reference and
 target and masked (the spec's padding rules), each row draws its own noise from
 its own seed, and each row gets its own result: its latents, or the exception
-that ended it alone (non-finite output, a stop). A graphed run is topped up with
-copies of its last plan to a power of two of rows, so that any batch size
-replays one of a few graphs; their results are dropped.
+that ended it alone (non-finite output, a stop).
 
 t = 0 is pure noise and the last grid point is the clean latent; the DiT's
 velocity points from noise towards data, so each step is
@@ -33,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .step_graph import DiTGraphCache, graph_rows
+from .step_graph import DiTGraphCache
 from .transformer import AuKTransformer, CheckpointError, load_transformer, read_config
 
 log = logging.getLogger(__name__)
@@ -239,7 +237,6 @@ class AuKDiTSampler:
         dtype=torch.float32,
         max_frames: int | None = None,
         max_graphs: int = 0,
-        pad_rows: bool | None = None,
     ):
         self.model = transformer
         self.max_frames = max_frames  # a serving limit on reference + target, below MAX_LATENT_FRAMES
@@ -249,8 +246,6 @@ class AuKDiTSampler:
         self.graphs = None
         if max_graphs and self.device.type == "cuda":
             self.graphs = DiTGraphCache(transformer, self._autocast, max_graphs)
-        # Round a run's rows up to graph_rows (graphed runs: one graph per power of two).
-        self.pad_rows = self.graphs is not None if pad_rows is None else pad_rows
         self.policy = SchedulePolicy(config)
         vae = config["vae"]
         self.sample_rate = int(vae.get("target_sample_rate", 24000))
@@ -368,10 +363,7 @@ class AuKDiTSampler:
 
         if ask("before sampling"):
             return list(stopped)
-        # Filler rows (copies of the last plan) take the run to its graph's row count; rows are
-        # independent, so they change no other row, and their results are dropped below.
-        rows = plans + [plans[-1]] * ((graph_rows(len(plans)) if self.pad_rows else len(plans)) - len(plans))
-        ctx, noise, mask = self._batch_context(rows, schedule.guided)
+        ctx, noise, mask = self._batch_context(plans, schedule.guided)
 
         def eager(x, t):
             with self._autocast():
@@ -380,8 +372,8 @@ class AuKDiTSampler:
         graphed = None if self.graphs is None else self.graphs.velocity(ctx, noise.shape)
         velocity = eager if graphed is None else graphed
         cfg = schedule.cfg
-        if schedule.guided and len(rows) > 1:
-            cfg = torch.tensor([p.schedule.cfg for p in rows], dtype=torch.float32, device=self.device)[:, None, None]
+        if schedule.guided and len(plans) > 1:
+            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=self.device)[:, None, None]
         steps = schedule.steps
         asked = itertools.count(2)  # euler_integrate asks before steps 2, 3, ...
         try:
@@ -390,7 +382,7 @@ class AuKDiTSampler:
         except SamplingStopped:  # every row has stopped
             return list(stopped)
         results: list[torch.Tensor | Exception] = []
-        for plan, row, stop in zip(plans, x.float()[: len(plans)], stopped):
+        for plan, row, stop in zip(plans, x.float(), stopped):
             latents = row[: plan.frames]
             if stop is not None:
                 results.append(stop)
@@ -445,7 +437,7 @@ class AuKDiTSampler:
 def load_sampler(checkpoint_dir, device="cpu", dtype=None, **kwargs) -> AuKDiTSampler:
     """The sampler for a checkpoint directory; bf16 weights on CUDA and fp32 on the CPU unless told.
 
-    kwargs go to AuKDiTSampler (max_frames, max_graphs, pad_rows).
+    kwargs go to AuKDiTSampler (max_frames, max_graphs).
     """
     device = torch.device(device)
     if dtype is None:

@@ -13,11 +13,12 @@ context (text and reference embeddings, masks, attention biases, rotary tables),
 which a run of a cached shape copies in. A padded batch's masks differ from run
 to run while its shape stays, so they are inputs like the embeddings.
 
-A batched run's row count is rounded up to a power of two (`graph_rows`), so the
-batch sizes a dynamic batcher hands over (any of 1..16) share five graphs instead
-of sixteen captures. All graphs capture into one private memory pool: they
-replay one at a time on one stream and each output is read before the next
-replay, so the pool holds about the largest graph's memory, not the sum.
+Every row count is a shape of its own: a batch of 5 replays a 5-row graph, since
+a step's time grows about linearly with its rows past a few. All graphs
+capture into one private memory pool: they replay one at a time on one stream
+and each output is read before the next replay, so the pool holds about the
+largest graph's memory, not the sum, and a budget of one graph per batch size
+costs little.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
         elif isinstance(value, tuple):
             tensors.extend(value)
     return tensors
-
-
-def graph_rows(rows: int) -> int:
-    """The rows a graphed run of `rows` requests replays: the next power of two."""
-    return 1 << max(0, rows - 1).bit_length()
 
 
 def graph_key(ctx: DiTContext, x_shape) -> tuple:

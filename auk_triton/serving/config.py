@@ -215,9 +215,9 @@ class DiTSettings:
     max_frames: int = DEFAULT_MAX_FRAMES  # reference + target, the decoder's own limit
     max_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     enable_cuda_graphs: bool = True
-    # Batched runs replay 1, 2, 4, 8 or 16 rows: five graphs for one request shape, and room
-    # for a second (their one memory pool holds about the largest graph's, not the sum).
-    max_graphs: int = 8
+    # One graph per batch size of one request shape (1 to max_batch_requests rows); their
+    # one memory pool holds about the largest graph's memory, not the sum.
+    max_graphs: int = 16
     # Requests in one sampler run (of those Triton's dynamic batcher hands over together,
     # at most max_batch_size); 1: one request at a time, no batching.
     max_batch_requests: int = 16

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from auk_triton.diffusion.sampler import Request, SamplingStopped, load_sampler, run_key, sampler_runs, time_grid, Schedule
-from auk_triton.diffusion.step_graph import graph_rows
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 
 VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
@@ -109,38 +108,6 @@ def test_a_stopped_row_is_stopped_alone_and_a_run_of_stopped_rows_ends(sampler, 
     rows = sampler.generate_batch(plans, [lambda: len(steps) >= 1, lambda: len(steps) >= 2])
     assert [str(r) for r in rows] == ["before step 2 of 4", "before step 3 of 4"]
     assert len(steps) == 2, "the run ends once every row has stopped"
-
-
-def test_graphed_runs_round_their_rows_up_to_a_power_of_two():
-    assert [graph_rows(n) for n in range(1, 18)] == [1, 2, 4, 4, 8, 8, 8, 8] + [16] * 8 + [32]
-
-
-@pytest.mark.parametrize("requests", [GUIDED[:3], UNGUIDED], ids=["guided", "unguided"])
-def test_filler_rows_take_a_run_to_its_graph_size_and_change_no_request(sampler, requests, monkeypatch):
-    # As a graphed run pads (pad_rows is on with CUDA graphs): three requests run as four rows.
-    plans = [sampler.plan(r) for r in requests]
-    alone = [sampler.generate(r) for r in requests]
-    monkeypatch.setattr(sampler, "pad_rows", True)
-    rows_per_step = []
-    step = sampler.model.step
-    monkeypatch.setattr(sampler.model, "step", lambda x, t, ctx: rows_per_step.append(x.shape[0]) or step(x, t, ctx))
-    batched = sampler.generate_batch(plans)
-    assert set(rows_per_step) == {4}, "four rows a step (guidance doubles them inside the step)"
-    assert len(batched) == 3
-    for plan, row, own in zip(plans, batched, alone):
-        assert row.shape == (plan.frames, 64)
-        assert _max_error(row, own) < TOLERANCE
-
-
-def test_a_padded_run_ends_once_its_own_rows_have_stopped(sampler, monkeypatch):
-    plans = [sampler.plan(Request(_text(5, s), 0.1, s, num_steps=4, guidance=0.0)) for s in (40, 41, 42)]
-    monkeypatch.setattr(sampler, "pad_rows", True)
-    steps = []
-    step = sampler.model.step
-    monkeypatch.setattr(sampler.model, "step", lambda x, t, ctx: steps.append(t) or step(x, t, ctx))
-    rows = sampler.generate_batch(plans, [lambda: len(steps) >= 1] * 3)
-    assert [str(r) for r in rows] == ["before step 2 of 4"] * 3
-    assert len(steps) == 1, "the filler row does not keep the run going"
 
 
 def test_plans_of_different_grids_or_guidance_modes_do_not_share_a_run(sampler):

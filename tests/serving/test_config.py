@@ -161,7 +161,7 @@ def test_a_config_that_leaves_every_parameter_out_gets_the_documented_defaults(t
     assert (decode.max_graphs, decode.max_frames, decode.fused_activation, decode.channels_last) == (32, 30000, True, True)
     dit = DiTSettings.from_model_config({}, tmp_path, environ={})
     assert (dit.dtype, dit.max_steps, dit.max_frames, dit.max_graphs, dit.enable_cuda_graphs) == (
-        "auto", 1000, 30000, 8, True)
+        "auto", 1000, 30000, 16, True)
     assert dit.max_batch_requests == 16
 
 
