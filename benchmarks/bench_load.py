@@ -795,8 +795,8 @@ def parse_args() -> argparse.Namespace:
                         help="clip lengths in seconds, drawn uniformly per request")
     parser.add_argument("--each-clip", action="store_true",
                         help="closed loop: each clip length on its own instead of the mix (the open loop runs the mix)")
-    parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
-                        help="worker processes the clients are spread over (default: half the cores, at most 8)")
+    parser.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                        help="worker processes the clients are spread over (default 4, at most half the cores)")
     parser.add_argument("--format", choices=list(OUTPUTS), default="pcm16",
                         help="pcm16: WAVEFORM_PCM16 (int16); float32: WAVEFORM")
     parser.add_argument("--seed", type=int, default=SEED, help="clip draws and arrivals")
