@@ -138,7 +138,6 @@ class StreamClient:
         self.requested = [grpcclient.InferRequestedOutput(n) for n in (output, "START_SAMPLE")]
         self._inputs: dict[float, object] = {}  # serialized once per clip length
         self.sent = 0
-        self.warm = False
         self.closed = False  # set at the end (or on Ctrl-C): no request or stream after it
         self._open()
 
