@@ -18,9 +18,11 @@ Per request the client checks START_SAMPLE continuity, the final flag and the
 sample count, and times first audio and total; an underrun is a tile that
 arrives after the audio before it has played out, played from the first tile.
 The server's metrics, read around each run, give windows per replay, its first
-audio and underruns. The capacity (GPU): `decode_rows` of the served graph
-wrapper timed per bucket and rows, each clip's windows at their bucket's best
-rate; the decode alone, the most audio per second the GPU can make for the mix.
+audio and underruns; `--trace FILE` has tritonserver trace every request, and
+the report places each run's slowest first audios step by step. The capacity
+(GPU): `decode_rows` of the served graph wrapper timed per bucket and rows, each
+clip's windows at their bucket's best rate; the decode alone, the most audio per
+second the GPU can make for the mix.
 `--device cpu --preset small` checks the script; its numbers are no measurement.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --mode closed --clients 1 4 16 --clips 10 60 --each-clip
@@ -35,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
 import math
 import multiprocessing
 import os
@@ -113,6 +116,8 @@ class RequestOutcome:
     error: str | None = None
     start_lag_ms: float = 0.0  # open loop: sent this long after its arrival was due
     ended: float = 0.0  # perf_counter at its final response (or its error)
+    request_id: str = ""
+    sent: float = 0.0  # perf_counter when the client handed the request to its stream
 
 
 def clip_frames(seconds: float) -> int:
@@ -171,8 +176,8 @@ class StreamClient:
         sent (perf_counter), for the open loop's start lag."""
         self.sent += 1
         request_id = f"{self.name}-{self.sent}"
-        outcome = RequestOutcome(clip.seconds)
-        sent = time.perf_counter()
+        outcome = RequestOutcome(clip.seconds, request_id=request_id)
+        sent = outcome.sent = time.perf_counter()
         if due is not None:
             outcome.start_lag_ms = (sent - due) * 1e3
         try:
@@ -352,7 +357,7 @@ def client_process(url: str, output: str, clip_seconds: tuple[float, ...], worke
     seconds), and answers each with ("ok", (outcomes as dicts, not started)) or ("error", text)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes the workers
     clips = make_clips(clip_seconds)  # seeded: the same latents as every other process's
-    pool = StreamPool(url, output, f"w{worker}")
+    pool = StreamPool(url, output, f"w{worker}-")
     try:
         while (command := connection.recv()) is not None:
             name, kwargs = command
@@ -681,7 +686,7 @@ def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> t
         set_model_parameters(repository / MODEL, values)
     process, url, _, metrics_url = start_server(
         checkpoint, cache, Path(args.log), (MODEL,), device="gpu" if args.device == "cuda" else "cpu",
-        model_repository=repository)
+        model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
     stack.callback(stop_server, process)
     return url, metrics_url
 
@@ -693,6 +698,51 @@ def stop_server(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
+
+
+# ---- Triton's request traces ------------------------------------------------------------------
+# With --trace, tritonserver records every request's timestamps (level TIMESTAMPS, rate 1): in
+# nanoseconds of the steady clock, CLOCK_MONOTONIC, the clock of the clients' perf_counter. So
+# each step of a slow request can be placed against its client's send and first audio.
+
+
+def trace_arguments(trace_file: Path) -> list[str]:
+    return [f"--trace-config=triton,file={trace_file}", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=triton,log-frequency=0"]
+
+
+def read_traces(trace_file: Path) -> dict[str, list[tuple[str, int]]]:
+    """Request id -> the (name, ns) timestamps Triton traced for it, in time order."""
+    if not trace_file.exists():
+        return {}
+    names: dict[int, str] = {}  # trace id -> request id (the trace's first entry has it)
+    stamps: dict[int, list[tuple[str, int]]] = {}  # trace id -> its timestamps (one entry each)
+    for entry in json.loads(trace_file.read_text() or "[]"):
+        if "request_id" in entry:
+            names[entry["id"]] = entry["request_id"]
+        stamps.setdefault(entry["id"], []).extend((s["name"], int(s["ns"])) for s in entry.get("timestamps", []))
+    return {names[key]: sorted(found, key=lambda stamp: stamp[1]) for key, found in stamps.items() if key in names}
+
+
+def print_slowest_traces(runs: list, traces: dict, count: int) -> None:
+    """Each run's `count` slowest first audios, step by step: ms after the client's send."""
+    if not traces:
+        say("no request traces (tritonserver wrote none)")
+        return
+    for run in runs:
+        slowest = sorted((o for o in run.done() if o.first_audio_ms is not None),
+                         key=lambda o: o.first_audio_ms, reverse=True)[:count]
+        say(f"\nslowest first audio, {run.mode} {run.load}, clips {'/'.join(f'{s:g}' for s in run.clips)} s "
+            "(ms after the client's send):")
+        for outcome in slowest:
+            sent_ns = outcome.sent * 1e9
+            steps, seen = [], set()
+            for name, ns in traces.get(outcome.request_id, []):
+                if name not in seen:  # the first of each: the way to the first tile
+                    seen.add(name)
+                    steps.append(f"{name} {(ns - sent_ns) / 1e6:.1f}")
+            say(f"  {outcome.request_id} ({outcome.clip_seconds:g} s clip): first audio {outcome.first_audio_ms:.1f}; "
+                + (", ".join(steps) if steps else "not traced"))
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -816,6 +866,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default 32)")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="tritonserver traces every request into FILE; the report then places each run's "
+                             "slowest first audios step by step")
+    parser.add_argument("--trace-slowest", type=int, default=5, help="--trace: requests shown per run")
     args = parser.parse_args()
 
     if args.mode is None:
@@ -840,6 +894,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{address}: only a server on this host (127.0.0.1) is driven")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA here (--device cpu checks the script on the CPU)")
+    if args.url and args.trace:
+        parser.error("--trace configures a server started here, not --url's")
     if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
         parser.error("--buckets, --batch-sizes, --batch-frames and --max-active configure a server started here, "
                      "not --url's")
@@ -948,6 +1004,8 @@ def main() -> None:
             say(f"stopped: {err}")
             status = 1
     print_summary(runs)
+    if args.trace:  # written as the server stopped
+        print_slowest_traces(runs, read_traces(Path(args.trace)), args.trace_slowest)
     failed = sum(len(run.errors()) for run in runs)
     if failed:
         say(f"{failed} requests failed")
