@@ -163,10 +163,12 @@ class DecodeSettings:
     precision: str | None = None  # None: GPU_DECODE_PRECISION on a GPU, fp32 on a CPU
     max_frames: int = DEFAULT_MAX_FRAMES
     # The tile scheduler: rows per batched replay, frames per replay (None: one tile's worth),
-    # and the requests it decodes at once (the rest wait in Triton's queue).
+    # the requests it decodes at once, and how many more wait in its queue (past them a
+    # request is refused, UNAVAILABLE).
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     batch_frames: int | None = None
     max_active_requests: int = 32
+    max_queued_requests: int = 64
     cache_dir: Path = DEFAULT_CACHE_DIR
 
     @classmethod
@@ -194,6 +196,7 @@ class DecodeSettings:
             batch_sizes=list_parameter(params, "batch_sizes", default.batch_sizes, "1,2,4,8,16") or (1,),
             batch_frames=int_parameter(params, "batch_frames", default.batch_frames, 1),
             max_active_requests=int_parameter(params, "max_active_requests", default.max_active_requests, 1),
+            max_queued_requests=int_parameter(params, "max_queued_requests", default.max_queued_requests, 0),
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
 

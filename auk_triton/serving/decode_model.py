@@ -64,10 +64,11 @@ def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
 # Asking a request (or its sender: the same answer) whether it is cancelled is a round
 # trip to the server, about 30 us on the CPU. Seen on Triton 2.51, it answers True within
 # milliseconds once a gRPC client cancels its stream or call, once a gRPC call's deadline
-# passes, and once an HTTP generate_stream client closes its connection. A request cancelled
-# while it waits in Triton's queue is answered CANCELLED by Triton's dynamic batcher (the
-# configs enable it for that) and never reaches `execute`, except the one or two the batcher
-# has already taken for the instance, which arrive cancelled.
+# passes, and once an HTTP generate_stream client closes its connection. An offline request
+# cancelled while it waits in Triton's queue is answered CANCELLED by Triton's dynamic batcher
+# (the offline configs enable it for that) and never reaches `execute`, except the one or two
+# the batcher has already taken for the instance, which arrive cancelled. A streaming request
+# waits in the scheduler's own queue instead, and is asked before its first window.
 # It stays False for an HTTP /infer whose client closed its connection (the HTTP server
 # does not read a connection while its request runs: triton-inference-server/server#7077),
 # so on a bare tritonserver such a request is decoded in full; the front door answers
@@ -191,7 +192,8 @@ class TritonPythonModel:
         self.frame_rate = self.vae.sample_rate / self.vae.hop_size
         self.scheduler = TileScheduler(
             self.graph, self.device, self.vae.sample_rate, self.vae.hop_size,
-            max_active=settings.max_active_requests, on_iteration=self._on_iteration,
+            max_active=settings.max_active_requests, max_queued=settings.max_queued_requests,
+            on_iteration=self._on_iteration,
         )
         # The scheduler's thread builds the graphs it replays (capture and replay on one thread).
         self.scheduler.start(warmup=lambda: self.graph.warmup(self.device, on_bucket=on_bucket))

@@ -24,6 +24,11 @@ class RequestCancelled(Exception):
     """The request's client is gone (it cancelled, or timed out): the model stops its work."""
 
 
+class ServerBusy(RuntimeError):
+    """The model holds as many requests as it may, decoding and waiting: the client may send
+    the request again later, or to another server."""
+
+
 class ServerStopping(RuntimeError):
     """The model goes away (the server stops, or unloads it) before the request's end: the
     client may send it again, to another server."""

@@ -24,6 +24,15 @@ Python sends. A request's host-side check (NaN and infinite values) runs while
 its first window decodes; a request that fails it, or is cancelled, leaves its
 batch without touching the other rows.
 
+Bounded work. At most `max_active` requests are in the scheduler; past it a
+request waits in the scheduler's own first-come-first-served queue, and past
+`max_queued` more `submit` refuses it at once (ServerBusy). `submit` never
+blocks, so Triton's `execute` returns at once. (Triton 2.51's dynamic batcher,
+in front of a decoupled model, held a request that arrived while another's
+`execute` ran until some later event: up to 0.7 s on a CPU, its 500 ms wake-up
+among them. Without it, Triton's default scheduler hands each request over as
+soon as the last `execute` has returned, and the waiting happens here.)
+
 This module holds the policy and the thread; the Triton side (senders,
 responses, metrics) is the `StreamSink` the decode model gives each request.
 """
@@ -33,12 +42,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .requests import ServerStopping
+from .requests import ServerBusy, ServerStopping
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,10 @@ class WindowDecoder(Protocol):
 STOPPING_MESSAGE = (
     "the model is shutting down (its server stops or unloads it) before the end of this request: "
     "send it again"
+)
+BUSY_MESSAGE = (
+    "the model is at its limit ({active} requests decoding, {queued} waiting): send the request again later "
+    "or to another server"
 )
 
 
@@ -157,17 +171,20 @@ class TileScheduler:
         sample_rate: int,
         hop_size: int,
         max_active: int,
+        max_queued: int = 0,
         on_iteration: Callable[[Iteration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.decoder, self.device = decoder, torch.device(device)
         self.sample_rate, self.hop_size = sample_rate, hop_size
         self.max_active = max(1, int(max_active))
+        self.max_queued = max(0, int(max_queued))
         self.on_iteration = on_iteration
         self.clock = clock
         self.look_ahead = self.device.type == "cuda"  # decodes are asynchronous there
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
+        self._queued: deque[Job] = deque()  # waiting for a place among them, oldest first
         self._cond = threading.Condition()
         self._closing = False  # no new jobs
         self._stopping = False  # and the ones left are stopped at the next iteration
@@ -201,21 +218,28 @@ class TileScheduler:
             raise self._thread_error
 
     def submit(self, job: Job) -> None:
-        """Admit a job, waiting while `max_active` jobs are in the scheduler (so Triton queues
-        the requests behind it)."""
+        """Admit a job, or queue it while `max_active` jobs are in the scheduler; past
+        `max_queued` queued, raise ServerBusy. Returns at once either way."""
         job.windows = job.windows or self.decoder.plan(job.latents.shape[1])
         with self._cond:
-            while len(self._jobs) >= self.max_active and not self._closing:
-                self._cond.wait()
             if self._closing:
                 raise ServerStopping(STOPPING_MESSAGE)
-            job.arrived = job.arrived or self.clock()
-            self._jobs.append(job)
-            self._cond.notify_all()
+            job.arrived = job.arrived or self.clock()  # a queued job's wait counts to its first audio
+            if len(self._jobs) < self.max_active:
+                self._jobs.append(job)
+                self._cond.notify_all()
+            elif len(self._queued) < self.max_queued:
+                self._queued.append(job)
+            else:
+                raise ServerBusy(BUSY_MESSAGE.format(active=len(self._jobs), queued=len(self._queued)))
 
     @property
     def active(self) -> int:
         return len(self._jobs)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
 
     def close(self, drain_s: float = 2.0) -> None:
         """Let the jobs in the scheduler finish for up to `drain_s`, end the rest with
@@ -251,7 +275,7 @@ class TileScheduler:
                     if self._closing:
                         return
                     self._cond.wait()
-                stopped = list(self._jobs) if self._stopping else []
+                stopped = [*self._jobs, *self._queued] if self._stopping else []
                 batch = [] if self._stopping else self._take_batch()
             for job in stopped:
                 self._end(job, lambda job=job: job.sink.fail(ServerStopping(STOPPING_MESSAGE)))
@@ -377,12 +401,18 @@ class TileScheduler:
             self.on_iteration(report)
 
     def _end(self, job: Job, finish: Callable[[], None]) -> None:
-        """Take a job out of the scheduler once, then tell its sink how it ended."""
+        """Take a job out of the scheduler once (its place goes to the oldest queued job), then
+        tell its sink how it ended."""
         with self._cond:
             if job.finished:
                 return
             job.finished = True
-            self._jobs.remove(job)
+            if job in self._queued:
+                self._queued.remove(job)
+            else:
+                self._jobs.remove(job)
+            while self._queued and len(self._jobs) < self.max_active and not self._stopping:
+                self._jobs.append(self._queued.popleft())
             self._cond.notify_all()
         try:
             finish()

@@ -16,7 +16,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from .config import STATUS_IN_MESSAGE_PARAMETER
-from .requests import RequestCancelled, RequestError, ServerStopping
+from .requests import RequestCancelled, RequestError, ServerBusy, ServerStopping
 
 
 def log(level: str, message: str) -> None:
@@ -57,8 +57,8 @@ def failure_response(model: str, action: str, err: Exception, request=None):
     """The error response for a request that raised `err`, with a status the client can act on.
 
     A RequestError is the client's mistake: its own message, INVALID_ARG. A
-    RequestCancelled: its message, CANCELLED. A ServerStopping: its message,
-    UNAVAILABLE (send it again elsewhere). Anything else is the model's failure:
+    RequestCancelled: its message, CANCELLED. A ServerStopping or ServerBusy: its message,
+    UNAVAILABLE (send it again, later or elsewhere). Anything else is the model's failure:
     "<action> failed: ...", INTERNAL, and logged. Where `request` asks for it
     (`wants_status_in_message`), the message opens with the status: "[INVALID_ARGUMENT] ...".
 
@@ -77,6 +77,8 @@ def failure_response(model: str, action: str, err: Exception, request=None):
         message, code, status = str(err), pb_utils.TritonError.INVALID_ARG, "INVALID_ARGUMENT"
     elif isinstance(err, ServerStopping):
         log("info", f"{model}: {err}")
+        message, code, status = str(err), pb_utils.TritonError.UNAVAILABLE, "UNAVAILABLE"
+    elif isinstance(err, ServerBusy):  # not logged: under overload there would be one a request
         message, code, status = str(err), pb_utils.TritonError.UNAVAILABLE, "UNAVAILABLE"
     else:
         log("error", f"{model}: {action} failed: {type(err).__name__}: {err}")

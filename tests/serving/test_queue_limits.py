@@ -1,6 +1,7 @@
 """Bounded work on the real server (CPU, small synthetic weights): at most max_active_requests
-streams in the scheduler, the next ones in Triton's queue, and past its max_queue_size a request
-refused at once with a status a client can act on, while the others are served in full."""
+streams in the scheduler, the next max_queued_requests in its queue, and past them a request
+refused at once with a status a client can act on, while the others are served in full. The
+offline model's requests wait in Triton's queue, bounded by its max_queue_size."""
 
 from __future__ import annotations
 
@@ -11,22 +12,24 @@ import time
 import numpy as np
 import pytest
 
-from triton_harness import DECODE_MODELS, DecodeStream, copy_model_repository, start_triton
+from triton_harness import DecodeStream, copy_model_repository, start_triton
 
 MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
-QUEUE_FULL = "Exceeds maximum queue size"
+QUEUE_FULL = "Exceeds maximum queue size"  # Triton's own refusal (the offline model's queue)
+MODEL_FULL = "the model is at its limit (1 requests decoding, 1 waiting)"  # the streaming model's
 
 
 @pytest.fixture(scope="module")
 def one_active_one_queued(tmp_path_factory, small_checkpoint):
     """A server whose decode models take one request each (into the streaming model's scheduler,
-    or the offline instance's decode) and queue one more."""
+    or the offline instance's decode) and queue one more (in the scheduler's queue, or Triton's)."""
     workdir = tmp_path_factory.mktemp("queue_limits")
     repository = copy_model_repository(workdir / "model_repository", parameters={"max_active_requests": 1})
-    for model in DECODE_MODELS:
+    for model, pattern, value in ((MODEL, r'(key: "max_queued_requests", value: \{ string_value: )"[^"]*"', r'\1"1"'),
+                                  (OFFLINE_MODEL, r"max_queue_size: \d+", "max_queue_size: 1")):
         config = repository / model / "config.pbtxt"
-        text, count = re.subn(r"max_queue_size: \d+", "max_queue_size: 1", config.read_text())
-        assert count == 1, f"{model}'s config has no max_queue_size"
+        text, count = re.subn(pattern, value, config.read_text())
+        assert count == 1, f"{model}'s config has no queue limit to set"
         config.write_text(text)
     server = start_triton(workdir, repository, small_checkpoint)
     yield server
@@ -37,33 +40,24 @@ def make_latents(seed: int, frames: int = 600) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
 
 
-def test_past_the_active_limit_requests_queue_and_past_the_queue_size_one_is_refused_at_once(
-    one_active_one_queued,
-):
+def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_at_once(one_active_one_queued):
     server = one_active_one_queued
-    streams, refused = [], None
+    streams = []
     try:
-        # One request decoding (several seconds here), the next ones waiting; sent one by one until
-        # the queue is full. Which of the waiting ones Triton's batcher holds for the instance and
-        # which sit in its queue is Triton's affair: at least one waits, and the first past the
-        # queue's room is refused.
-        for index in range(6):
+        # One request decoding (several seconds here), one waiting in the scheduler's queue, and
+        # the third refused at once, with its reason; the first two are served in full.
+        for index in range(3):
             streams.append(DecodeStream(server.grpc_url))
             began = time.monotonic()
             streams[-1].send(make_latents(index), request_id=str(index))
             if index == 0:
                 assert streams[0].next_event(timeout=60)[1].events == ["tile"]  # in the scheduler
-                continue
-            try:  # a refusal comes at once; a waiting request says nothing for now
-                refused = streams[-1].next_event(timeout=0.5)[1]
-            except queue.Empty:
-                continue
-            assert time.monotonic() - began < 5, "the refusal waited for the queue"
-            break
-        assert refused is not None, "six requests fitted in one active place and a queue of one"
-        assert index >= 2, f"request {index} was refused with the active place taken and the queue empty"
-        assert refused.events == ["error"] and QUEUE_FULL in refused.error, refused
-        for stream, request_id in zip(streams[:index], map(str, range(index))):
+        with pytest.raises(queue.Empty):
+            streams[1].next_event(timeout=0.5)  # waiting: nothing to say yet
+        refused = streams[2].next_event(timeout=5)[1]
+        assert time.monotonic() - began < 5, "the refusal waited for the queue"
+        assert refused.events == ["error"] and MODEL_FULL in refused.error, refused
+        for stream, request_id in zip(streams[:2], ("0", "1")):
             outcome = stream.collect(timeout=120)[request_id]
             assert outcome.error is None and outcome.events[-1] == "tile+final", outcome
             assert outcome.waveform().size == 600 * 480

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from auk_triton.serving.requests import RequestError, ServerStopping
+from auk_triton.serving.requests import RequestError, ServerBusy, ServerStopping
 from auk_triton.serving.scheduler import Job, TileScheduler, pick_batch
 
 HOP = 4
@@ -342,25 +342,37 @@ def test_a_failed_decode_fails_its_batch_only(scheduler_of):
     assert late.ended.wait(10) and late.ending == "complete", "the scheduler stopped serving"
 
 
-def test_past_the_active_limit_a_request_waits_until_a_place_frees(scheduler_of):
+def test_past_the_active_limit_a_request_queues_until_a_place_frees_and_past_the_queue_it_is_refused(
+    scheduler_of,
+):
     decoder = StandInDecoder(capacity=1)
     decoder.gate = threading.Event()
-    scheduler = scheduler_of(decoder, max_active=2)
+    scheduler = scheduler_of(decoder, max_active=2, max_queued=1)
     log = []
     first = submit(scheduler, 20, 1.0, log)
     submit(scheduler, 20, 2.0, log)
-    admitted = threading.Event()
-
-    def third():
-        submit(scheduler, 20, 3.0, log)
-        admitted.set()
-
-    threading.Thread(target=third, daemon=True).start()
-    assert not admitted.wait(0.3), "a third request was admitted past max_active=2"
-    assert scheduler.active == 2
+    queued = submit(scheduler, 20, 3.0, log)  # returns at once: Triton's execute never waits
+    assert (scheduler.active, scheduler.queued) == (2, 1)
+    with pytest.raises(ServerBusy, match=r"at its limit \(2 requests decoding, 1 waiting\)"):
+        submit(scheduler, 20, 4.0, log)
+    assert not queued.ended.is_set() and 3.0 not in log, "the queued one decoded before a place freed"
     decoder.gate.set()
     assert first.ended.wait(10)
-    assert admitted.wait(10), "a place freed but the waiting request was never admitted"
+    assert queued.ended.wait(10) and queued.ending == "complete", "a place freed but the queued request never ran"
+    assert scheduler.queued == 0
+
+
+def test_close_stops_the_queued_requests_too(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder, max_active=1, max_queued=2)
+    log = []
+    sinks = [submit(scheduler, 20, float(i), log) for i in range(3)]
+    scheduler.close(drain_s=0.2)
+    decoder.gate.set()
+    for sink in sinks:
+        assert sink.ended.wait(10)
+    assert all(isinstance(sink.ending, ServerStopping) for sink in sinks[1:]), [sink.ending for sink in sinks]
 
 
 def test_close_lets_the_requests_in_the_scheduler_finish_and_refuses_new_ones(scheduler_of):
