@@ -78,7 +78,7 @@ def failure_response(model: str, action: str, err: Exception, request=None):
     elif isinstance(err, ServerStopping):
         log("info", f"{model}: {err}")
         message, code, status = str(err), pb_utils.TritonError.UNAVAILABLE, "UNAVAILABLE"
-    elif isinstance(err, ServerBusy):  # not logged: under overload there would be one a request
+    elif isinstance(err, ServerBusy):  # not logged: under overload there would be one per request
         message, code, status = str(err), pb_utils.TritonError.UNAVAILABLE, "UNAVAILABLE"
     else:
         log("error", f"{model}: {action} failed: {type(err).__name__}: {err}")
