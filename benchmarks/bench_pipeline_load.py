@@ -9,10 +9,12 @@ started and driven over gRPC streams:
 - one client, `--reps` requests after a warm-up: first audio and total, median;
 - `--clients` closed-loop clients (each sends its next request when its stream
   has ended), `--requests` each after one warm-up request each: first audio and
-  total p50/p99, and throughput (requests completed per second over the window).
+  total p50/p99, throughput (requests completed per second over the window), and
+  auk_dit's requests per execute (Triton's counters over the loop).
 
 In process, before the servers: the graphed velocity step per batch size (as
-served: bf16 under autocast, one CUDA graph per shape) and a padded batch's
+served: bf16 under autocast, one CUDA graph per shape), a whole sampler run of
+that batch against its steps, and a padded batch's
 latents against each request alone (max error over the largest value, cosine),
 per recipe. With N closed-loop clients every request needs its share of the
 DiT's time, so first audio cannot fall below about N x (steps x step time at
@@ -88,7 +90,7 @@ def step_ms(checkpoint: Path, device: str, recipe: dict, embeds: np.ndarray, sec
                 sync(device)
                 samples.append((time.perf_counter() - began) * 1e3)
         times[b] = statistics.median(samples)
-        # A whole sampler run as the model makes it (context, noise, padded rows, steps, checks):
+        # A whole sampler run as the model makes it (context, noise, the graphed steps, checks):
         # what it takes beyond its steps is host work the step graphs do not hide.
         run = []
         for rep in range(4):
