@@ -14,9 +14,8 @@ started and driven over gRPC streams:
 
 In process, before the servers: the graphed velocity step per batch size (as
 served: bf16 under autocast, one CUDA graph per shape), a whole sampler run of
-that batch against its steps, and a padded batch's
-latents against each request alone (max error over the largest value, cosine),
-per recipe. With N closed-loop clients every request needs its share of the
+that batch against its steps, and a padded batch's latents against each
+request alone (max error over the largest value, cosine), per recipe. With N closed-loop clients every request needs its share of the
 DiT's time, so first audio cannot fall below about N x (steps x step time at
 batch N / N): the table prints that floor.
 
