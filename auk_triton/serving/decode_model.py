@@ -296,7 +296,8 @@ class TritonPythonModel:
         share = report.decode_seconds / max(1, len(report.tile_seconds))
         self.metrics.record([(report.mode, share, seconds) for seconds in report.tile_seconds],
                             report.send_seconds, self.graph)
-        self.metrics.record_iteration(report.rows, report.first_audio, report.active, report.underruns)
+        self.metrics.record_iteration(report.rows, report.first_audio, report.active, report.underruns,
+                                      report.queued)
 
     def finalize(self):
         if getattr(self, "scheduler", None) is not None:

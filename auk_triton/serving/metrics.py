@@ -35,7 +35,7 @@ class DecodeMetrics:
     def __init__(self, labels: dict[str, str]):
         self._families = []
         self._tiles = self._audio = self._captures = self._retired = self._send = None
-        self._active = self._windows = self._first_audio = self._underruns = None
+        self._active = self._queued = self._windows = self._first_audio = self._underruns = None
         self._seconds: dict[str, object] = {}
         self._lock = threading.Lock()
         self._pending = self._nothing_pending()
@@ -80,6 +80,10 @@ class DecodeMetrics:
             self._active = self._family(
                 family_cls, "auk_vae_active_requests", "Requests in the tile scheduler", family_cls.GAUGE
             ).Metric(labels=labels)
+            self._queued = self._family(
+                family_cls, "auk_vae_queued_requests", "Requests waiting in the tile scheduler's queue",
+                family_cls.GAUGE,
+            ).Metric(labels=labels)
             self._windows = self._family(
                 family_cls, "auk_vae_windows_per_replay", "Decode windows per replay", family_cls.HISTOGRAM
             ).Metric(labels=labels, buckets=WINDOWS_PER_REPLAY_BUCKETS)
@@ -91,7 +95,7 @@ class DecodeMetrics:
             log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
             self._tiles = self._audio = self._captures = self._retired = self._send = None
-            self._active = self._windows = self._first_audio = self._underruns = None
+            self._active = self._queued = self._windows = self._first_audio = self._underruns = None
             return
         self._reporter = threading.Thread(target=self._report_until_closed, name="auk-metrics", daemon=True)
         self._reporter.start()
@@ -104,18 +108,20 @@ class DecodeMetrics:
     @staticmethod
     def _nothing_pending() -> dict:
         return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0, "underruns": 0,
-                "seconds": dict.fromkeys(TIERS, 0.0), "windows": [], "first_audio": [], "active": None}
+                "seconds": dict.fromkeys(TIERS, 0.0), "windows": [], "first_audio": [], "active": None,
+                "queued": None}
 
-    def record_iteration(self, windows: int, first_audio: list[float], active: int, underruns: int) -> None:
+    def record_iteration(self, windows: int, first_audio: list[float], active: int, underruns: int,
+                         queued: int = 0) -> None:
         """Add one scheduler iteration: its windows per replay, the first-audio times of the
-        requests whose first tile it sent, the requests active after it, new underruns."""
+        requests whose first tile it sent, the requests active and queued after it, new underruns."""
         if self._reporter is None:
             return
         with self._lock:
             pending = self._pending
             pending["windows"].append(windows)
             pending["first_audio"].extend(first_audio)
-            pending["active"] = active
+            pending["active"], pending["queued"] = active, queued
             pending["underruns"] += underruns
         self._wake.set()
 
@@ -171,6 +177,7 @@ class DecodeMetrics:
                 self._first_audio.observe(value)
             if pending["active"] is not None:
                 self._active.set(pending["active"])
+                self._queued.set(pending["queued"])
         except Exception as err:  # the server is shutting down
             log("warn", f"could not update the model's metrics: {err}")
 

@@ -159,6 +159,7 @@ class Iteration:
     first_audio: list[float]  # arrival to first tile, of the requests whose first tile it was
     underruns: int
     active: int  # requests in the scheduler after it
+    queued: int = 0  # requests waiting in its queue after it
 
 
 class TileScheduler:
@@ -396,7 +397,7 @@ class TileScheduler:
             elif job.sink.cancelled():  # only where another tile would follow
                 self._end(job, job.sink.stop)
         self.underruns += report.underruns
-        report.active = len(self._jobs)
+        report.active, report.queued = len(self._jobs), len(self._queued)
         if self.on_iteration is not None:
             self.on_iteration(report)
 

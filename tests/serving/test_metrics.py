@@ -76,14 +76,17 @@ def test_close_during_the_report_delay_returns_and_reports_everything_once(metri
     assert total("auk_vae_audio_seconds_total") == pytest.approx(40.0)
 
 
-def test_a_scheduler_iteration_reports_its_windows_first_audio_active_requests_and_underruns(metrics_class):
+def test_a_scheduler_iteration_reports_its_windows_first_audio_active_and_queued_requests_and_underruns(
+    metrics_class,
+):
     metrics = metrics_class({"model": "m", "version": "1"})
-    metrics.record_iteration(windows=4, first_audio=[0.01, 0.02], active=3, underruns=1)
-    metrics.record_iteration(windows=2, first_audio=[], active=1, underruns=0)
+    metrics.record_iteration(windows=4, first_audio=[0.01, 0.02], active=3, underruns=1, queued=5)
+    metrics.record_iteration(windows=2, first_audio=[], active=1, underruns=0, queued=2)
     metrics.close()
     assert total("auk_vae_windows_per_replay") == 6
     assert total("auk_vae_first_audio_seconds") == pytest.approx(0.03)
     assert total("auk_vae_active_requests") == 1, "the gauge holds the latest count"
+    assert total("auk_vae_queued_requests") == 2, "the gauge holds the latest count"
     assert total("auk_vae_underruns_total") == 1
 
 

@@ -57,6 +57,11 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
         refused = streams[2].next_event(timeout=5)[1]
         assert time.monotonic() - began < 5, "the refusal waited for the queue"
         assert refused.events == ["error"] and MODEL_FULL in refused.error, refused
+        deadline = time.monotonic() + 10  # the gauges follow the scheduler's iterations
+        while (server.metric("auk_vae_active_requests", model=MODEL),
+               server.metric("auk_vae_queued_requests", model=MODEL)) != (1, 1):
+            assert time.monotonic() < deadline, "the gauges never showed one decoding and one queued"
+            time.sleep(0.05)
         for stream, request_id in zip(streams[:2], ("0", "1")):
             outcome = stream.collect(timeout=120)[request_id]
             assert outcome.error is None and outcome.events[-1] == "tile+final", outcome
