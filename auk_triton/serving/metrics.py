@@ -112,7 +112,7 @@ class DecodeMetrics:
                 "queued": None}
 
     def record_iteration(self, windows: int, first_audio: list[float], active: int, underruns: int,
-                         queued: int = 0) -> None:
+                         queued: int) -> None:
         """Add one scheduler iteration: its windows per replay, the first-audio times of the
         requests whose first tile it sent, the requests active and queued after it, new underruns."""
         if self._reporter is None:

@@ -172,7 +172,7 @@ class TileScheduler:
         sample_rate: int,
         hop_size: int,
         max_active: int,
-        max_queued: int = 0,
+        max_queued: int,
         on_iteration: Callable[[Iteration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):

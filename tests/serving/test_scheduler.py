@@ -96,9 +96,9 @@ def expected_waveform(frames: int) -> torch.Tensor:
 def scheduler_of():
     made = []
 
-    def make(decoder, max_active=8, **kwargs):
+    def make(decoder, max_active=8, max_queued=0, **kwargs):
         scheduler = TileScheduler(decoder, torch.device("cpu"), sample_rate=1000, hop_size=HOP,
-                                  max_active=max_active, **kwargs)
+                                  max_active=max_active, max_queued=max_queued, **kwargs)
         scheduler.start()
         made.append(scheduler)
         return scheduler
@@ -149,7 +149,8 @@ def test_a_new_request_s_first_window_goes_before_the_windows_of_a_stream_in_pro
 def test_windows_go_by_deadline_after_the_first(scheduler_of):
     now = [0.0]
     decoder = StandInDecoder(capacity=1)
-    scheduler = TileScheduler(decoder, torch.device("cpu"), 1000, HOP, max_active=8, clock=lambda: now[0])
+    scheduler = TileScheduler(decoder, torch.device("cpu"), 1000, HOP, max_active=8, max_queued=0,
+                              clock=lambda: now[0])
     early = Job(clip(30, 1.0), RecordingSink([], 1.0))
     late = Job(clip(30, 2.0), RecordingSink([], 2.0))
     for job, first_sent in ((early, 5.0), (late, 1.0)):
