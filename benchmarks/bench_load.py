@@ -863,7 +863,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="the scheduler's rows per replay (default 1 2 4 8 16; 1: batching off)")
     parser.add_argument("--batch-frames", type=int, default=None, help="frames per batched replay (default one tile)")
-    parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default 32)")
+    parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default: DecodeSettings)")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     parser.add_argument("--trace", default=None, metavar="FILE",

@@ -159,7 +159,7 @@ def test_a_config_that_leaves_every_parameter_out_gets_the_documented_defaults(t
     assert decode.compile_shapes == DEFAULT_COMPILE_SHAPES == (32, 128, 256, 512)
     assert decode.first_window_frames() == 32 and decode.tile_frames is None
     assert (decode.max_graphs, decode.max_frames, decode.fused_activation, decode.channels_last) == (32, 30000, True, True)
-    assert (decode.max_active_requests, decode.max_queued_requests) == (32, 64)
+    assert (decode.max_active_requests, decode.max_queued_requests) == (128, 64)
     dit = DiTSettings.from_model_config({}, tmp_path, environ={})
     assert (dit.dtype, dit.max_steps, dit.max_frames, dit.max_graphs, dit.enable_cuda_graphs) == (
         "auto", 1000, 30000, 16, True)
