@@ -8,9 +8,10 @@ started and driven over gRPC streams:
 
 - one client, `--reps` requests after a warm-up: first audio and total, median;
 - `--clients` closed-loop clients (each sends its next request when its stream
-  has ended), `--requests` each after one warm-up request each: first audio and
-  total p50/p99, throughput (requests completed per second over the window), and
-  auk_dit's requests per execute (Triton's counters over the loop).
+  has ended), `--requests` each after `--warmup-requests` each (the graphs of the
+  batch sizes the loop forms are captured then): first audio and total p50/p99,
+  throughput (requests completed per second over the window), and auk_dit's
+  requests per execute (Triton's counters over the window).
 
 In process, before the servers: the graphed velocity step per batch size (as
 served: bf16 under autocast, one CUDA graph per shape), a whole sampler run of
@@ -148,22 +149,29 @@ def one_client(url, embeds, seconds, recipe, reps: int) -> dict:
     return {"first_p50": statistics.median(r[0] for r in runs), "total_p50": statistics.median(r[1] for r in runs)}
 
 
-def closed_loop(url, embeds, seconds, recipe, clients: int, requests: int) -> dict:
-    """`clients` threads, each a warm-up request then `requests` measured ones, back to back."""
+def closed_loop(url, embeds, seconds, recipe, clients: int, requests: int, warmup: int = 1,
+                metrics_url: str | None = None) -> dict:
+    """`clients` threads, each `warmup` requests then `requests` measured ones, back to back;
+    with `metrics_url`, also auk_dit's requests per execute over the measured ones.
+
+    The warm-up is itself a closed loop: auk_dit's batcher forms runs of many sizes, and each
+    size's step graph is captured on its first run (about two eager steps), which in the
+    window would count as sampling time."""
     results, errors = [], []
     lock = threading.Lock()
     barrier = threading.Barrier(clients + 1)
     window = {}
 
     def client(index: int) -> None:
-        try:
-            one_request(url, embeds, seconds, 1000 * index, recipe)
-        except Exception as err:  # noqa: BLE001  (reported below)
-            errors.append(err)
+        for rep in range(warmup):
+            try:
+                one_request(url, embeds, seconds, 1000 * index + rep, recipe)
+            except Exception as err:  # noqa: BLE001  (reported below)
+                errors.append(err)
         barrier.wait()
         for rep in range(requests):
             try:
-                outcome = one_request(url, embeds, seconds, 1000 * index + 1 + rep, recipe)
+                outcome = one_request(url, embeds, seconds, 1000 * index + warmup + rep, recipe)
                 with lock:
                     results.append(outcome)
                     window["end"] = time.perf_counter()
@@ -175,15 +183,18 @@ def closed_loop(url, embeds, seconds, recipe, clients: int, requests: int) -> di
         thread.start()
     barrier.wait()
     began = time.perf_counter()
+    before = dit_counts(metrics_url) if metrics_url else None
     for thread in threads:
         thread.join()
+    after = dit_counts(metrics_url) if metrics_url else None
     if errors:
         say(f"  {len(errors)} requests failed, the first: {errors[0]}")
     elapsed = window.get("end", time.perf_counter()) - began
     firsts, totals = [r[0] for r in results], [r[1] for r in results]
     return {"first_p50": percentile(firsts, 50), "first_p99": percentile(firsts, 99),
             "total_p50": percentile(totals, 50), "total_p99": percentile(totals, 99),
-            "throughput": len(results) / elapsed, "errors": len(errors)}
+            "throughput": len(results) / elapsed, "errors": len(errors),
+            "batch": (after[0] - before[0]) / (after[1] - before[1]) if after and after[1] > before[1] else float("nan")}
 
 
 def dit_counts(metrics_url: str) -> tuple[float, float]:
@@ -219,6 +230,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="prompt tokens (seeded stand-in embeddings)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=8, help="measured requests per closed-loop client")
+    parser.add_argument("--warmup-requests", type=int, default=4,
+                        help="closed-loop warm-up requests per client, before the measured ones")
     parser.add_argument("--reps", type=int, default=5, help="one-client requests")
     parser.add_argument("--base-steps", type=int, default=32)
     parser.add_argument("--recipes", nargs="+", default=["flash", "base"], choices=["flash", "base"])
@@ -260,12 +273,9 @@ def main() -> None:
                                                             ready_timeout_s=900, device=device, model_repository=repo)
                 try:
                     row = one_client(url, embeds, args.seconds, recipe, args.reps)
-                    before = dit_counts(metrics_url)
-                    row.update({f"load_{k}": v for k, v in
-                                closed_loop(url, embeds, args.seconds, recipe, args.clients, args.requests).items()})
-                    after = dit_counts(metrics_url)
-                    executions = after[1] - before[1]
-                    row["load_batch"] = (after[0] - before[0]) / executions if executions else float("nan")
+                    loop = closed_loop(url, embeds, args.seconds, recipe, args.clients, args.requests,
+                                       args.warmup_requests, metrics_url)
+                    row.update({f"load_{k}": v for k, v in loop.items()})
                 finally:
                     process.terminate()
                     process.wait(timeout=120)
