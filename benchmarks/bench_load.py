@@ -71,10 +71,12 @@ from common import (
     latents,
     median_ms,
     model_repository_copy,
+    read_traces,
     say,
     served_decoder_options,
     start_server,
     synthetic_checkpoint,
+    trace_arguments,
 )
 
 SAMPLE_RATE = FRAMES_PER_SECOND * SAMPLES_PER_FRAME
@@ -700,28 +702,12 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
 
 
-# ---- Triton's request traces ------------------------------------------------------------------
-# With --trace, tritonserver records every request's timestamps (level TIMESTAMPS, rate 1): in
-# nanoseconds of the steady clock, CLOCK_MONOTONIC, the clock of the clients' perf_counter. So
-# each step of a slow request can be placed against its client's send and first audio.
+# ---- Triton's request traces (common.trace_arguments) ---------------------------------------
 
 
-def trace_arguments(trace_file: Path) -> list[str]:
-    return [f"--trace-config=triton,file={trace_file}", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
-            "--trace-config=triton,log-frequency=0"]
-
-
-def read_traces(trace_file: Path) -> dict[str, list[tuple[str, int]]]:
+def traces_by_request_id(trace_file: Path) -> dict[str, list[tuple[str, int]]]:
     """Request id -> the (name, ns) timestamps Triton traced for it, in time order."""
-    if not trace_file.exists():
-        return {}
-    names: dict[int, str] = {}  # trace id -> request id (the trace's first entry has it)
-    stamps: dict[int, list[tuple[str, int]]] = {}  # trace id -> its timestamps (one entry each)
-    for entry in json.loads(trace_file.read_text() or "[]"):
-        if "request_id" in entry:
-            names[entry["id"]] = entry["request_id"]
-        stamps.setdefault(entry["id"], []).extend((s["name"], int(s["ns"])) for s in entry.get("timestamps", []))
-    return {names[key]: sorted(found, key=lambda stamp: stamp[1]) for key, found in stamps.items() if key in names}
+    return {request.request_id: request.stamps for request in read_traces(trace_file).values()}
 
 
 def print_slowest_traces(runs: list, traces: dict, count: int) -> None:
@@ -1005,7 +991,7 @@ def main() -> None:
             status = 1
     print_summary(runs)
     if args.trace:  # written as the server stopped
-        print_slowest_traces(runs, read_traces(Path(args.trace)), args.trace_slowest)
+        print_slowest_traces(runs, traces_by_request_id(Path(args.trace)), args.trace_slowest)
     failed = sum(len(run.errors()) for run in runs)
     if failed:
         say(f"{failed} requests failed")

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from common import heading, model_repository_copy, percentile, recipe_checkpoints, say, start_server
+from common import (heading, model_repository_copy, percentile, read_traces, recipe_checkpoints, say, start_server,
+                    trace_arguments)
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 MODES = {"off": "1", "on": ""}  # max_batch_requests: 1, or the shipped default
@@ -193,8 +194,48 @@ def closed_loop(url, embeds, seconds, recipe, clients: int, requests: int, warmu
     firsts, totals = [r[0] for r in results], [r[1] for r in results]
     return {"first_p50": percentile(firsts, 50), "first_p99": percentile(firsts, 99),
             "total_p50": percentile(totals, 50), "total_p99": percentile(totals, 99),
-            "throughput": len(results) / elapsed, "errors": len(errors),
+            "throughput": len(results) / elapsed, "errors": len(errors), "window": (began, began + elapsed),
             "batch": (after[0] - before[0]) / (after[1] - before[1]) if after and after[1] > before[1] else float("nan")}
+
+
+def dit_runs_report(trace_file: Path, window: tuple[float, float]) -> list[str]:
+    """What tritonserver's trace says of auk_dit's sampler runs in the closed loop's window:
+    how busy it was, and each batch size's run times (the first run of a size captures its
+    step graph). The requests of one `execute` share its COMPUTE_START."""
+    runs: dict[int, list] = {}  # COMPUTE_START ns -> [end ns, rows]
+    for request in read_traces(trace_file).values():
+        start, end = request.first("COMPUTE_START"), request.first("COMPUTE_END")
+        if request.model == "auk_dit" and start is not None and end is not None:
+            run = runs.setdefault(start, [end, 0])
+            run[0], run[1] = max(run[0], end), run[1] + 1
+    if not runs:
+        return ["  no auk_dit traces (tritonserver wrote none)"]
+    began, ended = (int(t * 1e9) for t in window)
+    seen: set[int] = set()
+    by_rows: dict[int, list[tuple[float, bool]]] = {}  # rows -> (ms, first of its size) in the window
+    busy_ns, idle_ms, last_end = 0, [], None
+    for start in sorted(runs):
+        end, rows = runs[start]
+        first = rows not in seen
+        seen.add(rows)
+        if began <= start and end <= ended:
+            by_rows.setdefault(rows, []).append(((end - start) / 1e6, first))
+            busy_ns += end - start
+            if last_end is not None:
+                idle_ms.append((start - last_end) / 1e6)
+            last_end = end
+    count = sum(len(v) for v in by_rows.values())
+    captures = sum(first for v in by_rows.values() for _, first in v)
+    lines = [f"  auk_dit in the window (traced): {count} runs, busy {busy_ns / max(1, ended - began) * 100:.0f}% "
+             f"(idle between runs p50 {percentile(idle_ms, 50):.1f} / max {max(idle_ms, default=0):.1f} ms); "
+             f"{captures} first runs of a batch size (with CUDA graphs, each captures its graph)"]
+    for rows, times in sorted(by_rows.items()):
+        later = [ms for ms, first in times if not first]
+        firsts = [ms for ms, first in times if first]
+        lines.append(f"    runs of {rows}: {len(times)}" +
+                     (f", first {firsts[0]:.1f} ms" if firsts else "") +
+                     (f", later p50 {statistics.median(later):.1f} ms" if later else ""))
+    return lines
 
 
 def dit_counts(metrics_url: str) -> tuple[float, float]:
@@ -239,6 +280,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--queue-delay-us", type=int, default=None, help="auk_dit's dynamic batcher delay (default: as shipped)")
     parser.add_argument("--no-server", action="store_true", help="only the in-process figures")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="tritonserver traces every request (FILE.<recipe>-<mode>.json per server); the report "
+                             "then sums up auk_dit's sampler runs in the closed loop")
     parser.add_argument("--cache-dir", default=None, help="checkpoints and compile caches (reused across runs)")
     parser.add_argument("--log", default="tritonserver-pipeline-load.log")
     args = parser.parse_args()
@@ -269,8 +313,10 @@ def main() -> None:
             recipe = all_recipes[name]
             for mode in args.modes:
                 repo = repository(cache / f"repository-{name}-{mode}", MODES[mode], args.queue_delay_us)
-                process, url, _, metrics_url = start_server(dirs[name], cache, Path(args.log), MODELS,
-                                                            ready_timeout_s=900, device=device, model_repository=repo)
+                trace = Path(f"{args.trace}.{name}-{mode}.json") if args.trace else None
+                process, url, _, metrics_url = start_server(
+                    dirs[name], cache, Path(args.log), MODELS, ready_timeout_s=900, device=device,
+                    model_repository=repo, extra_args=trace_arguments(trace) if trace else ())
                 try:
                     row = one_client(url, embeds, args.seconds, recipe, args.reps)
                     loop = closed_loop(url, embeds, args.seconds, recipe, args.clients, args.requests,
@@ -283,6 +329,9 @@ def main() -> None:
                 say(f"served, {name}, batching {mode}: one client first audio {row['first_p50']:.1f} ms; "
                     f"{args.clients} clients first audio p50 {row['load_first_p50']:.1f} / p99 {row['load_first_p99']:.1f} ms, "
                     f"{row['load_throughput']:.2f} requests/s, auk_dit {row['load_batch']:.2f} requests per execute")
+                if trace:  # written as the server stopped
+                    for line in dit_runs_report(trace, row["load_window"]):
+                        say(line)
 
     say()
     say("| recipe | step ms by batch (per request) | batched vs alone: max err / cosine |")

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -309,3 +310,43 @@ def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, f
         if name in totals and f'model="{model}"' in line:
             totals[name] += float(line.rsplit(" ", 1)[1])
     return tuple(totals.values())
+
+
+# ---- Triton's request traces ------------------------------------------------------------------
+# tritonserver started with `trace_arguments` records every request's timestamps (level
+# TIMESTAMPS, rate 1) and writes them as it stops: nanoseconds of the steady clock,
+# CLOCK_MONOTONIC, the clock of the clients' perf_counter, so a request's steps can be placed
+# against its client's send. An ensemble's steps are requests of their own, each with its
+# parent's trace id.
+
+
+def trace_arguments(trace_file: Path) -> list[str]:
+    return [f"--trace-config=triton,file={trace_file}", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
+            "--trace-config=triton,log-frequency=0"]
+
+
+@dataclass
+class TracedRequest:
+    model: str
+    request_id: str
+    parent: int | None  # the ensemble request's trace id, for an ensemble step
+    stamps: list[tuple[str, int]]  # (name, ns), in time order
+
+    def first(self, name: str) -> int | None:
+        return next((ns for found, ns in self.stamps if found == name), None)
+
+
+def read_traces(trace_file: Path) -> dict[int, TracedRequest]:
+    """Trace id -> what Triton traced of that request ({} when it wrote nothing)."""
+    if not trace_file.exists():
+        return {}
+    traced: dict[int, TracedRequest] = {}
+    stamps: dict[int, list[tuple[str, int]]] = {}
+    for entry in json.loads(trace_file.read_text() or "[]"):
+        if "model_name" in entry:  # each trace's first entry
+            traced[entry["id"]] = TracedRequest(entry["model_name"], entry.get("request_id", ""),
+                                                entry.get("parent_id"), [])
+        stamps.setdefault(entry["id"], []).extend((s["name"], int(s["ns"])) for s in entry.get("timestamps", []))
+    for key, request in traced.items():
+        request.stamps = sorted(stamps.get(key, []), key=lambda stamp: stamp[1])
+    return traced
