@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import multiprocessing
 import os
