@@ -4,7 +4,8 @@ Both `model_repository/auk_vae_decode` (decoupled: streams one response per
 tile, the last one with the final flag) and `model_repository/auk_vae_decode_offline`
 (one response with the whole waveform) import this class; the loaded config's
 transaction policy picks the mode. The two modes run the same tiled decode, so
-the concatenated stream equals the offline waveform.
+the concatenated stream equals the offline waveform (on a GPU in fp16 within the
+decode's tolerance: each model's process has cuDNN time its own algorithms).
 
 `execute` checks each request and hands it to the instance's tile scheduler
 (`scheduler.py`), whose thread decodes and sends; a request's sink (`StreamSink`,

@@ -84,7 +84,7 @@ def test_a_gpu_served_stream_refuses_non_finite_latents_by_name_and_then_decodes
     np.testing.assert_array_equal(outcomes["after"].waveform(), outcomes["before"].waveform())
 
 
-def test_the_gpu_served_offline_model_refuses_nan_latents_by_name_and_then_sends_the_streams_samples(
+def test_the_gpu_served_offline_model_refuses_nan_latents_by_name_and_then_decodes_as_the_stream_does(
     gpu_triton, stream
 ):
     import tritonclient.http as httpclient
@@ -104,7 +104,13 @@ def test_the_gpu_served_offline_model_refuses_nan_latents_by_name_and_then_sends
     finally:
         client.close()
     stream.send(CLIP, request_id="clip")
-    np.testing.assert_array_equal(offline, stream.collect()["clip"].waveform())
+    streamed = stream.collect()["clip"].waveform()
+    assert offline.shape == streamed.shape
+    # Not bit for bit: each model is a process of its own, and in fp16 each one's cuDNN times
+    # its convolution algorithms at load and may pick others (seen: 1.4e-3 relative L2 apart).
+    relative = np.linalg.norm(offline - streamed) / np.linalg.norm(streamed)
+    print(f"offline against stream: relative L2 {relative:.2e}")
+    assert relative < 1e-2, f"relative L2 {relative:.2e} between the offline and the streamed decode"
 
 
 def test_sixteen_concurrent_gpu_streams_each_stitch_to_the_library_decode(gpu_triton, reference_vae):
