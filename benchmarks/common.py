@@ -275,7 +275,9 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
             try:
                 if all(client.is_model_ready(model) for model in models):
-                    say(f"server ready in {time.perf_counter() - began:.1f} s")
+                    say(f"server ready in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
+                    for line in startup_lines(log_path):
+                        say(f"  {line}")
                     return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
             except Exception:
                 pass
@@ -288,6 +290,28 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
         raise
     finally:
         client.close()
+
+
+# A Triton log line: severity, MMDD, time of day, thread, source file:line, message.
+LOG_LINE = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) +\d+ (\S+?):\d+\] (.*)$")
+# Where a model's start-up shows in the log: Triton loading it, the Python backend starting
+# its instance, and the model's own lines (loaded, buckets, ready).
+STARTUP_SOURCES = ("model_lifecycle.cc", "python_be.cc", "triton_io.py")
+
+
+def startup_lines(log_path: Path) -> list[str]:
+    """The log's start-up lines, each with its seconds since the log's first line."""
+    first, lines = None, []
+    for text in Path(log_path).read_text(errors="replace").splitlines():
+        match = LOG_LINE.match(text)
+        if match is None:
+            continue
+        hours, minutes, seconds, source, message = match.groups()
+        at = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+        first = at if first is None else first
+        if source in STARTUP_SOURCES:
+            lines.append(f"{(at - first) % 86400:7.1f} s {message.strip(chr(34))}")
+    return lines
 
 
 def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, float] | None:

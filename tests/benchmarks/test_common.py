@@ -1,0 +1,31 @@
+"""benchmarks/common.py: what the benchmark scripts read back from a server's log."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from common import startup_lines  # noqa: E402
+
+LOG = """\
+W1202 23:59:58.500000 674 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory"
+I1202 23:59:59.000000 674 model_lifecycle.cc:472] "loading: auk_vae_decode:1"
++------------------+------+
+I1203 00:00:04.700000 674 python_be.cc:2249] "TRITONBACKEND_ModelInstanceInitialize: auk_vae_decode_0_0 (GPU device 0)"
+I1203 00:00:06.600000 674 triton_io.py:28] "auk_vae_decode: loaded /tmp/ck on cuda:0 in 1.9 s"
+I1203 00:01:30.000000 674 triton_io.py:28] "auk_vae_decode: bucket of 32 frames compiled and captured in 75.2 s"
+I1203 00:01:30.100000 674 grpc_server.cc:2558] "Started GRPCInferenceService at 127.0.0.1:8001"
+"""
+
+
+def test_startup_lines_are_the_models_lines_with_their_seconds_since_the_log_began(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_text(LOG)
+    assert startup_lines(log) == [
+        "    0.5 s loading: auk_vae_decode:1",
+        "    6.2 s TRITONBACKEND_ModelInstanceInitialize: auk_vae_decode_0_0 (GPU device 0)",
+        "    8.1 s auk_vae_decode: loaded /tmp/ck on cuda:0 in 1.9 s",
+        "   91.5 s auk_vae_decode: bucket of 32 frames compiled and captured in 75.2 s",
+    ]
