@@ -7,15 +7,16 @@ transaction policy picks the mode. The two modes run the same tiled decode, so
 the concatenated stream equals the offline waveform (on a GPU in fp16 within the
 decode's tolerance: each model's process has cuDNN time its own algorithms).
 
-`execute` checks each request and hands it to the instance's tile scheduler
-(`scheduler.py`), whose thread decodes and sends; a request's sink (`StreamSink`,
-`OfflineSink`) turns its tiles into Triton responses.
+`execute` checks each request, hands it to the instance's tile scheduler
+(`scheduler.py`) and returns; the scheduler's thread decodes and sends through
+the request's response sender (a non-decoupled model may answer that way too, with
+one final response). A request's sink (`StreamSink`, `OfflineSink`) turns its tiles
+into Triton responses.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -66,11 +67,9 @@ def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
 # Asking a request (or its sender: the same answer) whether it is cancelled is a round
 # trip to the server, about 30 us on the CPU. Seen on Triton 2.51, it answers True within
 # milliseconds once a gRPC client cancels its stream or call, once a gRPC call's deadline
-# passes, and once an HTTP generate_stream client closes its connection. An offline request
-# cancelled while it waits in Triton's queue is answered CANCELLED by Triton's dynamic batcher
-# (the offline configs enable it for that) and never reaches `execute`, except the one or two
-# the batcher has already taken for the instance, which arrive cancelled. A streaming request
-# waits in the scheduler's own queue instead, and is asked before its first window.
+# passes, and once an HTTP generate_stream client closes its connection. `execute` returns at
+# once, so a request waits in the scheduler's own queue, not Triton's, and is asked before its
+# first window when it has waited there.
 # It stays False for an HTTP /infer whose client closed its connection (the HTTP server
 # does not read a connection while its request runs: triton-inference-server/server#7077),
 # so on a bare tritonserver such a request is decoded in full; the front door answers
@@ -117,41 +116,30 @@ class StreamSink:
         self.sender.send(flags=FINAL)
 
 
-class OfflineSink:
-    """A request of the offline model: its tiles gathered into one response (CANCELLED where
-    its client has gone)."""
+class OfflineSink(StreamSink):
+    """A request of the offline model: its tiles gathered, and sent as one response once the
+    last is in (CANCELLED where its client has gone).
 
-    def __init__(self, model: str, request):
-        self.model, self.request = model, request
-        self.parts: list[torch.Tensor] = []
-        self.last_start: int | None = None  # the start sample of the last tile gathered
-        self.error: Exception | None = None
-        self.ended = threading.Event()
+    Each tile is copied out of the scheduler's (on a GPU, pinned) host buffer, so a long
+    request does not hold pinned memory until its end; numpy copies, with no OpenMP team to
+    wake (see `_latents`)."""
 
-    def cancelled(self) -> bool:
-        return self.request.is_cancelled()
+    def __init__(self, model: str, request, pcm16: bool):
+        super().__init__(model, request, pcm16)
+        self.parts: list[np.ndarray] = []
 
     def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
-        self.parts.append(samples)
+        self.parts.append(samples.numpy().copy())
         self.last_start = start_sample
         if last:
-            self.ended.set()
-
-    def fail(self, error: Exception) -> None:
-        self.error = error
-        self.ended.set()
+            waveform = torch.from_numpy(np.concatenate(self.parts))
+            self.parts = []
+            response = pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, self.pcm16))
+            self.sender.send(response, flags=FINAL)
 
     def stop(self) -> None:
         where = "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
         self.fail(RequestCancelled(f"request cancelled {where}"))
-
-    def response(self, pcm16: bool):
-        """The whole waveform once the last tile is in (or the error)."""
-        self.ended.wait()
-        if self.error is not None:
-            return failure_response(self.model, "decode", self.error, self.request)
-        waveform = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-        return pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, pcm16))
 
 
 class TritonPythonModel:
@@ -242,31 +230,20 @@ class TritonPythonModel:
     # ---- requests -------------------------------------------------------------------------
 
     def execute(self, requests):
-        """Hand each request to the scheduler. The streaming model returns at once (its
-        scheduler sends the responses); the offline model waits for its requests' last tiles."""
-        jobs = []
+        """Hand each request to the scheduler and return: its thread sends the responses (a
+        stream's tiles, or the offline model's one response once the last window is done)."""
+        sink_type = StreamSink if self.decoupled else OfflineSink
         for request in requests:
             pcm16 = wants_pcm16(request)
-            sink = StreamSink(self.name, request, pcm16) if self.decoupled else OfflineSink(self.name, request)
+            sink = sink_type(self.name, request, pcm16)
             arrived = time.monotonic()
-            # The offline model's execute waits for the whole waveform, so its requests wait in
-            # Triton's queue, out of the scheduler's sight (it asks only those that waited in
-            # it): ask each before its first window, one round trip (about 30 us on the CPU);
-            # the batcher may have taken it from the queue before its client went.
-            if not self.decoupled and sink.cancelled():
-                sink.stop()
-                jobs.append((sink, pcm16))
-                continue
             try:
                 latents, check = self._latents(request)
-                job = Job(latents, sink, convert=to_pcm16 if pcm16 else None, check=check, arrived=arrived)
-                self.scheduler.submit(job)
+                self.scheduler.submit(Job(latents, sink, convert=to_pcm16 if pcm16 else None, check=check,
+                                          arrived=arrived))
             except Exception as err:
                 sink.fail(err)
-            jobs.append((sink, pcm16))
-        if self.decoupled:
-            return None
-        return [sink.response(pcm16) for sink, pcm16 in jobs]
+        return None
 
     def _latents(self, request) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """The request's LATENTS on the model's device as [1, frames, dim], and their check

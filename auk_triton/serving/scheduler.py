@@ -26,8 +26,10 @@ batch without touching the other rows.
 
 Bounded work. At most `max_active` requests are in the scheduler; past it a
 request waits in the scheduler's own first-come-first-served queue, and past
-`max_queued` more `submit` refuses it at once (ServerBusy). `submit` never
-blocks, so Triton's `execute` returns at once. (Triton 2.51's dynamic batcher,
+`max_queued` more `submit` refuses it at once (ServerBusy). While requests wait,
+the ones in the scheduler are asked, a few per iteration, whether their clients
+have gone, so an abandoned request's place comes free before its next window.
+`submit` never blocks, so Triton's `execute` returns at once. (Triton 2.51's dynamic batcher,
 in front of a decoupled model, held a request that arrived while another's
 `execute` ran until some later event: up to 0.7 s on a CPU, its 500 ms wake-up
 among them. Without it, Triton's default scheduler hands each request over as
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 # abandoned: ask whether it was cancelled (a round trip to the server) before decoding it.
 # Later windows are asked about after each tile is sent, as a cancelled stream is seen.
 STALE_FIRST_WINDOW_S = 0.02
+# While requests wait for a place, the requests in the scheduler are also asked, round robin,
+# for up to this share of the last iteration's time (at least a millisecond, about 30 round
+# trips on an idle CPU): a place held by a client that has gone comes free within an
+# iteration or a few, not only when that request's next window comes round, after other
+# windows of it have decoded for nobody.
+CANCELLED_SWEEP_SHARE = 0.1
 
 
 class StreamSink(Protocol):
@@ -191,6 +199,7 @@ class TileScheduler:
         self._stopping = False  # and the ones left are stopped at the next iteration
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
+        self._sweep_next = 0  # where the next sweep for cancelled requests starts
 
     # ---- the caller's side (Triton's execute thread) ----------------------------------------
 
@@ -270,7 +279,12 @@ class TileScheduler:
 
     def _run(self) -> None:
         in_flight: _InFlight | None = None
+        began = time.perf_counter()
         while True:
+            now = time.perf_counter()
+            last_iteration_s, began = now - began, now
+            if self._queued and not self._stopping:
+                self._sweep_cancelled(max(0.001, CANCELLED_SWEEP_SHARE * last_iteration_s))
             with self._cond:
                 while not self._has_work() and in_flight is None:
                     if self._closing:
@@ -296,6 +310,27 @@ class TileScheduler:
                 in_flight = None
                 for job in list(self._jobs):
                     self._end(job, lambda job=job: job.sink.fail(err))
+
+    def _sweep_cancelled(self, budget_s: float) -> None:
+        """Ask the requests in the scheduler, round robin from where the last sweep stopped,
+        whether their clients have gone, for up to `budget_s`; end those that have (a queued
+        request takes each place)."""
+        with self._cond:
+            jobs = list(self._jobs)
+        began = time.perf_counter()
+        asked = 0
+        while asked < len(jobs) and time.perf_counter() - began < budget_s:
+            job = jobs[(self._sweep_next + asked) % len(jobs)]
+            asked += 1
+            try:
+                gone = not job.finished and job.sink.cancelled()
+            except Exception as err:  # the request cannot be asked: its client is gone
+                log.warning("asking a request whether it was cancelled failed: %s: %s", type(err).__name__, err)
+                self._end(job, lambda: None)
+                continue
+            if gone:
+                self._end(job, job.sink.stop)
+        self._sweep_next = (self._sweep_next + asked) % max(1, len(jobs))
 
     def _has_work(self) -> bool:
         return any(job.next_window < len(job.windows) for job in self._jobs)
@@ -342,8 +377,9 @@ class TileScheduler:
         checked = []
         for job, wave in zip(live, waves):
             if job.check is not None and job.next_window == 1:
+                check, job.check = job.check, None  # its host array (the request's input) goes with it
                 try:
-                    job.check()
+                    check()
                 except Exception as err:
                     self._end(job, lambda job=job, err=err: job.sink.fail(err))
                     continue

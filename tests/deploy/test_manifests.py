@@ -54,7 +54,8 @@ CLUSTER_DOMAIN = "cluster.local"
 COREDNS_TTL_S = 5  # the kubernetes plugin's default
 # /dev/shm sizing: what one request of the longest clip puts in the Python backend's
 # shared memory, per model instance (one instance per model per GPU; auk_dit holds up to its
-# max_batch_size requests at once, the decoders and the encoder one request at a time).
+# max_batch_size requests at once; the decoders and the encoder are counted for one request,
+# as deploy/README.md says).
 SHM_HEADROOM = 2  # the allocator's fragmentation and the region's growth steps
 LAUNCHER = ["python3", "-m", "auk_triton.serving.launcher"]
 

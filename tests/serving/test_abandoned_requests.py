@@ -4,11 +4,11 @@ session's plain tritonserver; HTTP /infer connections closed on the front door's
 which answers /infer over gRPC and cancels the call when its client goes (Triton 2.51's own
 HTTP server never sees such a client: triton-inference-server/server#7077).
 
+Both models hand every request to their tile scheduler at once, so the abandoned requests are all
+in it (decoding, or in its queue) and the good one's first window goes before their next ones.
 An abandoned request is stopped by the model (at its next window, or before its first: it logs
-"request cancelled"), or, cancelled while it waits in the dynamic batcher's queue, by Triton,
-which answers it CANCELLED without calling `execute` and counts it in
-nv_inference_request_failure{reason="CANCELED"}. Of a queue of cancelled requests only the one
-or two the batcher had already taken for the instance reach `execute`."""
+"request cancelled"), or, should one be cancelled before Triton hands it over, by Triton, which
+answers it CANCELLED itself and counts it in nv_inference_request_failure{reason="CANCELED"}."""
 
 from __future__ import annotations
 
@@ -25,13 +25,10 @@ from triton_harness import TEST_TILE_FRAMES, DecodeStream
 
 STREAM_MODEL = "auk_vae_decode"
 OFFLINE_MODEL = "auk_vae_decode_offline"
-# Abandoned requests per test. They are cancelled once all are in the server: a stream's request
-# cancelled before its client has sent it never arrives. The issue counts twenty: tried on the
-# 2-core CI machine, twenty offline requests (on gRPC streams, or HTTP through the front door)
-# put the good one past two windows in some runs. Their queue drains at once
-# (Triton answers the queued ones itself); the one decoding then often runs a window past its
-# cancellation, and that window takes up to twice its idle time.
-ABANDONED = 10
+# Abandoned requests per test (the issue's count). They are cancelled once all are in the server:
+# a stream's request cancelled before its client has sent it never arrives. More than the offline
+# model's max_active_requests (16), so some wait in its scheduler's queue.
+ABANDONED = 20
 CANCEL_NOTICE = re.compile(r"(auk_vae_decode\w*): request cancelled")
 
 
@@ -78,22 +75,12 @@ def cancelled_by_triton(server, model: str) -> int:
     return int(server.metric("nv_inference_request_failure", model=model, reason="CANCELED"))
 
 
-def requests_done(server, model: str) -> int:
-    """Requests of `model` Triton is done with so far (answered, failed, or handed over by a
-    decoupled `execute`, which returns at once)."""
-    return int(server.metric("nv_inference_request_success", model=model)
-               + server.metric("nv_inference_request_failure", model=model))
-
-
-def wait_until_all_in_server(server, model: str, done_before: int = 0) -> None:
-    """Wait until every abandoned request is in the server: all handed to the streaming model's
-    scheduler, or for the offline model one decoding and the others in Triton's queue."""
+def wait_until_all_in_server(server, model: str) -> None:
+    """Wait until every abandoned request is in `model`'s tile scheduler, decoding or queued (its
+    gauges follow the scheduler's iterations)."""
     deadline = time.monotonic() + 30
-    while not (
-        requests_done(server, model) - done_before >= ABANDONED
-        if model == STREAM_MODEL
-        else server.metric("nv_inference_pending_request_count", model=model) >= ABANDONED - 1
-    ):
+    while (server.metric("auk_vae_active_requests", model=model)
+           + server.metric("auk_vae_queued_requests", model=model)) < ABANDONED:
         assert time.monotonic() < deadline, "the abandoned requests did not all reach the server"
         time.sleep(0.02)
 
@@ -134,14 +121,13 @@ def test_requests_whose_grpc_streams_were_cancelled_do_not_delay_the_next_good_r
 ):
     window_seconds = served_window_seconds(triton)
     idle = min(good_request_seconds(triton, model) for _ in range(2))
-    log_before, done_before = len(triton.log()), requests_done(triton, model)
-    cancelled_before = cancelled_by_triton(triton, model)
+    log_before, cancelled_before = len(triton.log()), cancelled_by_triton(triton, model)
     # Each clip spans several windows (a short first window, then full ones): decoded, they
     # would take many windows, and the first is still decoding once the last is in the server.
     streams = [DecodeStream(triton.grpc_url) for _ in range(ABANDONED)]
     for index, stream in enumerate(streams):
         stream.send(make_latents(600, seed=72 + index), request_id=f"gone-{index}", model=model)
-    wait_until_all_in_server(triton, model, done_before)
+    wait_until_all_in_server(triton, model)
     for stream in streams:
         stream.close(cancel=True)
 
@@ -176,14 +162,14 @@ def test_http_requests_whose_connections_were_closed_do_not_delay_the_next_good_
     sockets = [
         post_and_drop(front_door.http_url, make_latents(2 * front_door.tile_frames - 28, seed=90 + i)) for i in range(ABANDONED)
     ]
-    # Closed once the front has read, translated and passed on every request (one decoding, the
-    # others in Triton's queue): what is timed is the server's stopping them, not the front's
-    # reading of the JSON bodies on a busy machine.
+    # Closed once the front has read, translated and passed on every request (all in the
+    # model's scheduler): what is timed is the server's stopping them, not the front's reading
+    # of the JSON bodies on a busy machine.
     wait_until_all_in_server(front_door, OFFLINE_MODEL)
     for sock in sockets:
         sock.close()
 
-    # Each was stopped (the one decoding at its next window, the one or two already taken from the
-    # queue before their first by the model, the rest by Triton), none decoded to its end.
+    # Each was stopped by the model (those decoding at their next window, the queued ones before
+    # their first), none decoded to its end.
     check_the_next_good_request(
         front_door, OFFLINE_MODEL, "closed connections", idle, window_seconds, log_before, cancelled_before)

@@ -43,6 +43,9 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.enable_cuda_graphs is True
     assert settings.precision is None, "the device's default precision (fp16 on a GPU)"
     assert settings.cache_dir == Path("/c")
+    # The offline model holds each active request's waveform on the host until its end.
+    assert settings.max_active_requests == (16 if model == "auk_vae_decode_offline" else 128)
+    assert settings.max_queued_requests == 64
 
 
 @pytest.mark.parametrize("value", ["fp16", "tf32"])

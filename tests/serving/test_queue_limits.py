@@ -1,7 +1,7 @@
 """Bounded work on the real server (CPU, small synthetic weights): at most max_active_requests
-streams in the scheduler, the next max_queued_requests in its queue, and past them a request
-refused at once with a status a client can act on, while the others are served in full. The
-offline model's requests wait in Triton's queue, bounded by its max_queue_size."""
+requests in the scheduler, the next max_queued_requests in its queue, and past them a request
+refused at once with a status a client can act on, while the others are served in full: in the
+streaming model and in the offline one, which runs the same scheduler."""
 
 from __future__ import annotations
 
@@ -15,22 +15,15 @@ import pytest
 from triton_harness import DecodeStream, copy_model_repository, start_triton
 
 MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
-QUEUE_FULL = "Exceeds maximum queue size"  # Triton's own refusal (the offline model's queue)
-MODEL_FULL = "the model is at its limit (1 requests decoding, 1 waiting)"  # the streaming model's
+MODEL_FULL = "the model is at its limit (1 requests decoding, 1 waiting)"
 
 
 @pytest.fixture(scope="module")
 def one_active_one_queued(tmp_path_factory, small_checkpoint):
-    """A server whose decode models take one request each (into the streaming model's scheduler,
-    or the offline instance's decode) and queue one more (in the scheduler's queue, or Triton's)."""
+    """A server whose decode models take one request each into their schedulers and queue one more."""
     workdir = tmp_path_factory.mktemp("queue_limits")
-    repository = copy_model_repository(workdir / "model_repository", parameters={"max_active_requests": 1})
-    for model, pattern, value in ((MODEL, r'(key: "max_queued_requests", value: \{ string_value: )"[^"]*"', r'\1"1"'),
-                                  (OFFLINE_MODEL, r"max_queue_size: \d+", "max_queue_size: 1")):
-        config = repository / model / "config.pbtxt"
-        text, count = re.subn(pattern, value, config.read_text())
-        assert count == 1, f"{model}'s config has no queue limit to set"
-        config.write_text(text)
+    repository = copy_model_repository(workdir / "model_repository",
+                                       parameters={"max_active_requests": 1, "max_queued_requests": 1})
     server = start_triton(workdir, repository, small_checkpoint)
     yield server
     server.stop()
@@ -94,16 +87,16 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
     http = httpclient.InferenceServerClient(server.http_url)
     try:
         done = []
-        # One decoding, then more than the instance and its queue of one can hold: the one decoding
-        # takes several seconds here, these three less than two.
+        # One decoding, then more than the scheduler and its queue of one can hold: the one
+        # decoding takes several seconds here, these three less than two.
         for seed in (10, 11, 12):
             client.async_infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(seed)),
                                lambda result, error: done.append((result, error)))
             time.sleep(0.5)
-        with pytest.raises(InferenceServerException, match=QUEUE_FULL) as refused:
+        with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
             client.infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(13, frames=20)))
         assert refused.value.status() == "StatusCode.UNAVAILABLE"
-        with pytest.raises(InferenceServerException, match=QUEUE_FULL) as refused:
+        with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
             http.infer(OFFLINE_MODEL, inputs(httpclient, make_latents(14, frames=20)))
         assert refused.value.status() == "503"
         deadline = time.monotonic() + 120
@@ -113,7 +106,7 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
         served = [result for result, error in done if error is None]
         assert len(served) >= 2, done  # the one decoding and one waiting at least
         assert all(result.as_numpy("WAVEFORM").size == 600 * 480 for result in served)
-        assert all(QUEUE_FULL in str(error) for _, error in done if error is not None), done
+        assert all(MODEL_FULL in str(error) for _, error in done if error is not None), done
     finally:
         client.close()
         http.close()

@@ -363,6 +363,33 @@ def test_past_the_active_limit_a_request_queues_until_a_place_frees_and_past_the
     assert scheduler.queued == 0
 
 
+def test_while_requests_wait_for_a_place_the_ones_in_the_scheduler_are_asked_whether_their_clients_have_gone(
+    scheduler_of,
+):
+    decoder = StandInDecoder(capacity=1)
+    decoder.permits = threading.Semaphore(0)
+    scheduler = scheduler_of(decoder, max_active=2, max_queued=2)
+    log = []
+    first, second = submit(scheduler, 100, 1.0, log), submit(scheduler, 100, 2.0, log)
+    queued = [submit(scheduler, 20, tag, log) for tag in (3.0, 4.0)]
+    decoder.permits.release(2)  # the first windows of the two in the scheduler
+    deadline = time.monotonic() + 10
+    while len(log) < 2:
+        assert time.monotonic() < deadline, "the first windows never decoded"
+        time.sleep(0.01)
+    # Both clients go; the scheduler may have taken one more window of theirs already.
+    first.cancel_after = second.cancel_after = 0
+    decoder.permits.release(100)
+    for sink in queued:
+        assert sink.ended.wait(10) and sink.ending == "complete"
+        torch.testing.assert_close(sink.waveform(), expected_waveform(20), rtol=0, atol=0)
+    assert first.ending == second.ending == "cancelled"
+    rows = [tag for batch in decoder.batches for tag in batch]
+    # Without the asking, each would decode one window past its client's going (4 rows): a
+    # request's later windows are asked about only after their tile is sent.
+    assert rows.count(1.0) + rows.count(2.0) <= 3, rows
+
+
 def test_close_stops_the_queued_requests_too(scheduler_of):
     decoder = StandInDecoder(capacity=1)
     decoder.gate = threading.Event()
