@@ -377,7 +377,7 @@ class TileScheduler:
         checked = []
         for job, wave in zip(live, waves):
             if job.check is not None and job.next_window == 1:
-                check, job.check = job.check, None  # its host array (the request's input) goes with it
+                check, job.check = job.check, None  # the job lets go of the host array it checks
                 try:
                     check()
                 except Exception as err:
