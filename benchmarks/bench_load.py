@@ -269,13 +269,19 @@ class LoadError(RuntimeError):
 # parent gives each share the moment it starts, and reads the outcomes' times against it.
 
 
+# A worker's warm-up requests at once: a whole pool of 256 streams at once would pass the
+# server's own limit (max_active_requests + max_queued_requests) and be refused.
+WARM_UP_WAVE = 32
+
+
 def warm_up(pool: StreamPool, count: int, mix: tuple[Clip, ...], others: bool) -> tuple[list[RequestOutcome], int]:
-    """The mix's shortest clip on `count` streams at once (their connections, the server's first
-    windows), then (`others`) every other length once on the first stream."""
+    """The mix's shortest clip on `count` streams, WARM_UP_WAVE at once (their connections, the
+    server's first windows), then (`others`) every other length once on the first stream."""
     streams = pool.take(count)
     shortest = min(mix, key=lambda clip: clip.seconds)
     outcomes: list[RequestOutcome] = []
-    in_threads(lambda _, stream: outcomes.append(stream.decode(shortest)), streams)
+    for begin in range(0, len(streams), WARM_UP_WAVE):
+        in_threads(lambda _, stream: outcomes.append(stream.decode(shortest)), streams[begin : begin + WARM_UP_WAVE])
     for clip in mix if others else ():
         if clip is not shortest:
             outcomes.append(streams[0].decode(clip))
@@ -820,7 +826,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=float, nargs="+", default=None,
                         help="open loop: offered load as fractions of the in-process capacity (GPU, --capacity)")
     parser.add_argument("--duration", type=float, default=60.0, help="open loop: seconds of arrivals per run")
-    parser.add_argument("--max-streams", type=int, default=64, help="open loop: streams in the pool")
+    # 64 left a few arrivals unstarted at 0.8 of an H200's capacity (RESULTS.md, l13): the pool,
+    # not the server, would then fail the step.
+    parser.add_argument("--max-streams", type=int, default=256, help="open loop: streams in the pool")
     parser.add_argument("--find-max-load", action="store_true",
                         help=f"open loop: step the load up (default {' '.join(map(str, LOAD_STEPS))} of the "
                              "capacity, or --load / --rates) of the open loop until a step misses the target")
