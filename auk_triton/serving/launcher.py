@@ -155,6 +155,9 @@ def server_command(
         # The Python backend's pool per model instance, for the largest legitimate tensors.
         f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}",
         f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}",
+        # Every config here is complete. With auto-completion on, the Python backend starts a
+        # stub per model only to ask it for its config, and that stub imports torch and the model.
+        "--disable-auto-complete-config",
     ]
     if served_config_name(env):
         argv.append(f"--model-config-name={served_config_name(env)}")

@@ -92,6 +92,15 @@ def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legiti
     assert f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}" in argv
 
 
+def test_tritonserver_takes_the_model_configs_as_written_without_a_stub_to_complete_them(tmp_path):
+    server = pytest.importorskip("auk_triton.serving.launcher")
+    try:
+        argv, _ = server.server_command(REPO_ROOT / "model_repository", env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"})
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    assert "--disable-auto-complete-config" in argv
+
+
 def test_behind_the_front_door_tritonserver_listens_on_loopback_and_the_front_on_the_public_ports(tmp_path):
     server = pytest.importorskip("auk_triton.serving.launcher")
     env = {"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu", "AUK_HTTP_PORT": "9100",
