@@ -255,8 +255,6 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     (default: the project's) on the `device` config ("gpu" or "cpu"), with `extra_args` for tritonserver.
 
     Returns the process and the gRPC, HTTP and metrics addresses."""
-    import tritonclient.grpc as grpcclient
-
     from auk_triton.serving.launcher import server_command
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
@@ -266,21 +264,18 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
                                extra_args=["--exit-timeout-secs=5", *extra_args])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{ports['grpc']}"
     began = time.perf_counter()
-    client = grpcclient.InferenceServerClient(url)
     try:
         while time.perf_counter() - began < ready_timeout_s:
             if process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
-            try:
-                if all(client.is_model_ready(model) for model in models):
-                    say(f"server ready in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
-                    for line in startup_lines(log_path):
-                        say(f"  {line}")
-                    return process, url, f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
-            except Exception:
-                pass
+            # A new HTTP connection per poll, as a readiness probe makes: a gRPC channel that kept
+            # failing to connect while the server warmed up backs off, for tens of seconds by then.
+            if all(model_ready(f"127.0.0.1:{ports['http']}", model) for model in models):
+                say(f"server ready in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
+                for line in startup_lines(log_path):
+                    say(f"  {line}")
+                return process, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
             time.sleep(0.5)
         raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
     except BaseException:  # not ready, or Ctrl-C while waiting: the caller never gets the process to stop
@@ -288,8 +283,18 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
             process.kill()
             process.wait(timeout=30)
         raise
-    finally:
-        client.close()
+
+
+def model_ready(http_url: str, model: str) -> bool:
+    """Whether `model` answers READY on the server's HTTP port (False while nothing listens)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/ready", timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 # A Triton log line: severity, MMDD, time of day, thread, source file:line, message.
