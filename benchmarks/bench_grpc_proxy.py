@@ -1,12 +1,17 @@
-"""What a Python gRPC hop costs: ServerLive straight to tritonserver, and through the
-smallest byte-forwarding proxy grpcio allows, in both of its servers.
+"""What a Python gRPC hop costs: ServerLive straight to tritonserver, through the
+smallest byte-forwarding proxy grpcio allows, in both of its servers, and through an
+asyncio splice of the HTTP/2 connection, with and without reading its frames.
 
 The front door (auk_triton/serving/front_door.py) is a grpc.aio server forwarding bytes
 to tritonserver. This measures the floor of that design apart from its checks: a proxy
 that only forwards, as a grpc.aio server and channel (the front door's stack) and as a
-synchronous grpcio server (thread pool) with a blocking channel. Each proxy runs in its
-own process, as the front door does; tritonserver serves an empty model repository.
-Rounds alternate the three targets; round 0 warms up and is left out.
+synchronous grpcio server (thread pool) with a blocking channel. Against it, a proxy
+that does not speak gRPC at all: asyncio streams pass the TCP bytes both ways
+unchanged, and in its second form read the client's HTTP/2 frames as they pass, and
+each gRPC message's length prefix in them (what bounding a message by its size from
+its prefix would take, the refusal itself left out). Each proxy runs in its own
+process, as the front door does; tritonserver serves an empty model repository.
+Rounds alternate the targets; round 0 warms up and is left out.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_grpc_proxy.py
 """
@@ -63,6 +68,83 @@ def serve_sync(port: int, upstream: str) -> None:
     server.wait_for_termination()
 
 
+class MessagePrefixes:
+    """Reads a client's HTTP/2 byte stream as it passes: the frames, and in each stream's
+    DATA the gRPC messages' 5-byte prefixes (a compressed flag, a 4-byte big-endian
+    length), keeping the largest length seen."""
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+    def __init__(self):
+        self.pending = b""
+        self.preface_left = len(self.PREFACE)
+        self.streams: dict[int, list] = {}  # stream id -> [bytes left in the message, partial prefix]
+        self.largest = 0
+
+    def feed(self, data: bytes) -> None:
+        if self.preface_left:
+            skip = min(self.preface_left, len(data))
+            self.preface_left -= skip
+            data = data[skip:]
+        buffer = self.pending + data
+        at = 0
+        while len(buffer) - at >= 9:
+            length = int.from_bytes(buffer[at:at + 3], "big")
+            if len(buffer) - at < 9 + length:
+                break
+            kind, flags = buffer[at + 3], buffer[at + 4]
+            stream = int.from_bytes(buffer[at + 5:at + 9], "big") & 0x7FFFFFFF
+            if kind == 0:  # DATA
+                payload = buffer[at + 9:at + 9 + length]
+                if flags & 0x8:  # PADDED: a pad length byte first, the padding last
+                    payload = payload[1:len(payload) - payload[0]]
+                self._data(stream, payload)
+            at += 9 + length
+        self.pending = buffer[at:]
+
+    def _data(self, stream: int, payload: bytes) -> None:
+        state = self.streams.setdefault(stream, [0, b""])
+        at = 0
+        while at < len(payload):
+            if state[0]:
+                step = min(state[0], len(payload) - at)
+                state[0] -= step
+                at += step
+                continue
+            need = 5 - len(state[1])
+            state[1] += payload[at:at + need]
+            at += need
+            if len(state[1]) == 5:
+                state[0] = int.from_bytes(state[1][1:], "big")
+                self.largest = max(self.largest, state[0])
+                state[1] = b""
+
+
+def serve_splice(port: int, upstream: str, read_frames: bool) -> None:
+    async def pump(reader, writer, inspect=None):
+        try:
+            while data := await reader.read(1 << 16):
+                if inspect is not None:
+                    inspect(data)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def connection(client_reader, client_writer):
+        host, upstream_port = upstream.rsplit(":", 1)
+        server_reader, server_writer = await asyncio.open_connection(host, int(upstream_port))
+        inspect = MessagePrefixes().feed if read_frames else None
+        await asyncio.gather(pump(client_reader, server_writer, inspect), pump(server_reader, client_writer),
+                             return_exceptions=True)
+
+    async def main():
+        server = await asyncio.start_server(connection, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
 def wait_live(stub, request, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -75,16 +157,25 @@ def wait_live(stub, request, timeout_s: float = 60) -> None:
             time.sleep(0.2)
 
 
+# --serve choice: (the table's name for it, the function that serves it)
+PROXIES = {
+    "aio": ("grpc.aio proxy", serve_aio),
+    "sync": ("synchronous proxy", serve_sync),
+    "splice": ("asyncio splice", lambda port, upstream: serve_splice(port, upstream, read_frames=False)),
+    "frames": ("asyncio splice reading frames", lambda port, upstream: serve_splice(port, upstream, read_frames=True)),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=300, help="timed calls per target and round")
     parser.add_argument("--rounds", type=int, default=4, help="round 0 warms up and is left out")
-    parser.add_argument("--serve", choices=("aio", "sync"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=tuple(PROXIES), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        (serve_aio if args.serve == "aio" else serve_sync)(args.port, args.upstream)
+        PROXIES[args.serve][1](args.port, args.upstream)
         return
 
     import grpc
@@ -100,11 +191,11 @@ def main() -> None:
          f"--grpc-port={upstream.rsplit(':', 1)[1]}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     targets = {"direct": upstream}
-    for kind in ("aio", "sync"):
+    for kind, (name, _) in PROXIES.items():
         port = free_port()
         processes.append(subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port),
                                            "--upstream", upstream]))
-        targets[f"grpc.{kind} proxy" if kind == "aio" else "synchronous proxy"] = f"127.0.0.1:{port}"
+        targets[name] = f"127.0.0.1:{port}"
     try:
         request = service_pb2.ServerLiveRequest()
         stubs = {name: service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(url))
