@@ -78,14 +78,20 @@ def test_auk_models_chooses_which_models_the_server_loads(chosen, loads, tmp_pat
         assert loaded == loads and "--model-control-mode=explicit" in argv
 
 
-def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legitimate_tensor(tmp_path):
+def cpu_server_argv(tmp_path) -> list[str]:
+    """tritonserver's argv for the project's repository on the CPU configs (skips without tritonserver)."""
     server = pytest.importorskip("auk_triton.serving.launcher")
-    from auk_triton.serving import config
-
     try:
         argv, _ = server.server_command(REPO_ROOT / "model_repository", env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"})
     except server.TritonNotFound as err:
         pytest.skip(f"tritonserver is not available: {err}")
+    return argv
+
+
+def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legitimate_tensor(tmp_path):
+    from auk_triton.serving import config
+
+    argv = cpu_server_argv(tmp_path)
     offline_10_minutes = config.DEFAULT_MAX_FRAMES * 64 * 4 + config.DEFAULT_MAX_FRAMES * 480 * 4  # latents + float32 waveform
     assert config.SHM_DEFAULT_BYTES >= offline_10_minutes
     assert f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}" in argv
@@ -93,12 +99,7 @@ def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legiti
 
 
 def test_tritonserver_takes_the_model_configs_as_written_without_a_stub_to_complete_them(tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
-    try:
-        argv, _ = server.server_command(REPO_ROOT / "model_repository", env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"})
-    except server.TritonNotFound as err:
-        pytest.skip(f"tritonserver is not available: {err}")
-    assert "--disable-auto-complete-config" in argv
+    assert "--disable-auto-complete-config" in cpu_server_argv(tmp_path)
 
 
 def test_behind_the_front_door_tritonserver_listens_on_loopback_and_the_front_on_the_public_ports(tmp_path):
