@@ -111,9 +111,12 @@ class StreamSink:
             log("error", f"{self.model}: could not send the error response: {send_err}")
 
     def stop(self) -> None:
-        where = "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
-        log("info", f"{self.model}: request cancelled {where}")
+        log("info", f"{self.model}: request cancelled {self.where()}")
         self.sender.send(flags=FINAL)
+
+    def where(self) -> str:
+        """How far the request had got, for a cancellation's notice."""
+        return "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
 
 
 class OfflineSink(StreamSink):
@@ -132,14 +135,14 @@ class OfflineSink(StreamSink):
         self.parts.append(samples.numpy().copy())
         self.last_start = start_sample
         if last:
-            waveform = torch.from_numpy(np.concatenate(self.parts))
+            # One tile (a clip of up to one window) is already a copy of its own.
+            waveform = torch.from_numpy(self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts))
             self.parts = []
             response = pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, self.pcm16))
             self.sender.send(response, flags=FINAL)
 
     def stop(self) -> None:
-        where = "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
-        self.fail(RequestCancelled(f"request cancelled {where}"))
+        self.fail(RequestCancelled(f"request cancelled {self.where()}"))
 
 
 class TritonPythonModel:
