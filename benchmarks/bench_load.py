@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec import DEFAULT_COMPILE_SHAPES
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
 from common import (
     FRAMES_PER_SECOND,
@@ -67,12 +67,11 @@ from common import (
     SEED,
     clip_latents,
     heading,
-    latents,
-    median_ms,
     model_repository_copy,
     read_traces,
+    replay_ms,
     say,
-    served_decoder_options,
+    served_graph,
     start_server,
     synthetic_checkpoint,
     trace_arguments,
@@ -612,23 +611,6 @@ class Capacity:
     def audio_per_second(self, mix) -> float:
         audio = np.mean([clip_frames(seconds) / FRAMES_PER_SECOND for seconds in mix])
         return float(audio) * self.requests_per_second(mix)
-
-
-def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGraph:
-    """The graph wrapper as the decode model builds it on a GPU (decode_model.initialize)."""
-    vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **served_decoder_options("cuda"))
-    return AuKVAEDecodeGraph(
-        vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
-        max_graphs=settings.max_graphs, compile_shapes=settings.compile_shapes, tile_frames=settings.tile_frames,
-        first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
-        batch_frames=settings.batch_frames,
-    )
-
-
-def replay_ms(graph: AuKVAEDecodeGraph, frames: int, rows: int, iters: int) -> float:
-    """Median ms of `decode_rows` of `rows` windows of `frames` (seeded latents)."""
-    batch = [latents(frames, "cuda", seed=SEED + 100 + row) for row in range(rows)]
-    return median_ms(lambda: graph.decode_rows(batch), iters=iters)
 
 
 def measure_capacity(checkpoint: Path, settings: DecodeSettings, clip_seconds, iters: int) -> Capacity:

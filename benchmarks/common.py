@@ -28,7 +28,7 @@ from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph, 
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
-from auk_triton.serving.config import GPU_DECODE_PRECISION
+from auk_triton.serving.config import GPU_DECODE_PRECISION, DecodeSettings
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -95,6 +95,17 @@ def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -
     return {"activation_kernel": activation_kernel_for(dtype), "channels_last": True, "dtype": dtype}
 
 
+def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGraph:
+    """The graph wrapper as the decode model builds it on a GPU (decode_model.initialize)."""
+    vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **served_decoder_options("cuda"))
+    return AuKVAEDecodeGraph(
+        vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
+        max_graphs=settings.max_graphs, compile_shapes=settings.compile_shapes, tile_frames=settings.tile_frames,
+        first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
+        batch_frames=settings.batch_frames,
+    )
+
+
 def latents(frames: int, device: str = "cpu", seed: int = SEED) -> torch.Tensor:
     """Seeded normalized latents of one clip, [1, frames, 64], the same on every device."""
     generator = torch.Generator().manual_seed(seed)
@@ -122,6 +133,12 @@ def median_ms(fn, iters: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def replay_ms(graph: AuKVAEDecodeGraph, frames: int, rows: int, iters: int) -> float:
+    """Median ms of `decode_rows` of `rows` windows of `frames` (seeded latents)."""
+    batch = [latents(frames, "cuda", seed=SEED + 100 + row) for row in range(rows)]
+    return median_ms(lambda: graph.decode_rows(batch), iters=iters)
 
 
 def copy_bandwidth() -> float:
