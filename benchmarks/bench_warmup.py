@@ -26,7 +26,7 @@ import torch
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
 from common import compile_time_breakdown, heading, replay_ms, say, served_graph, synthetic_checkpoint
 
-SERVED = "served"  # the limit the decode model sets
+SERVED = "served"  # as the decode model runs: it leaves torch's default limit
 
 
 def one_pass(cache: Path, preset: str, limit: str, iters: int) -> dict:
