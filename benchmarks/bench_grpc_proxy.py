@@ -76,7 +76,8 @@ class MessagePrefixes:
     PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
     def __init__(self):
-        self.pending = b""
+        self.pending = bytearray()  # appended to and consumed in place: a frame that arrives
+        # in many small reads costs its bytes once, not once per read
         self.preface_left = len(self.PREFACE)
         self.streams: dict[int, list] = {}  # stream id -> [bytes left in the message, partial prefix]
         self.largest = 0
@@ -86,7 +87,8 @@ class MessagePrefixes:
             skip = min(self.preface_left, len(data))
             self.preface_left -= skip
             data = data[skip:]
-        buffer = self.pending + data
+        buffer = self.pending
+        buffer += data
         at = 0
         while len(buffer) - at >= 9:
             length = int.from_bytes(buffer[at:at + 3], "big")
@@ -100,7 +102,7 @@ class MessagePrefixes:
                     payload = payload[1:len(payload) - payload[0]]
                 self._data(stream, payload)
             at += 9 + length
-        self.pending = buffer[at:]
+        del buffer[:at]
 
     def _data(self, stream: int, payload: bytes) -> None:
         state = self.streams.setdefault(stream, [0, b""])
@@ -174,6 +176,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: round 0 only warms up")
     if args.serve:
         PROXIES[args.serve][1](args.port, args.upstream)
         return
