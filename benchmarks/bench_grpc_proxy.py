@@ -76,8 +76,9 @@ class MessagePrefixes:
     PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
     def __init__(self):
-        self.pending = bytearray()  # appended to and consumed in place: a frame that arrives
-        # in many small reads costs its bytes once, not once per read
+        # Appended to and consumed in place: a frame that arrives in many small reads
+        # costs its bytes once, not once per read.
+        self.pending = bytearray()
         self.preface_left = len(self.PREFACE)
         self.streams: dict[int, list] = {}  # stream id -> [bytes left in the message, partial prefix]
         self.largest = 0
