@@ -37,12 +37,14 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
     server = one_active_one_queued
     streams = []
     try:
-        # One request decoding (several seconds here), one waiting in the scheduler's queue, and
+        # One request decoding (several seconds here: a long clip, so that it is still decoding
+        # when the second has waited its half second), one waiting in the scheduler's queue, and
         # the third refused at once, with its reason; the first two are served in full.
+        frames = (1800, 600, 600)
         for index in range(3):
             streams.append(DecodeStream(server.grpc_url))
             began = time.monotonic()
-            streams[-1].send(make_latents(index), request_id=str(index))
+            streams[-1].send(make_latents(index, frames[index]), request_id=str(index))
             if index == 0:
                 assert streams[0].next_event(timeout=60)[1].events == ["tile"]  # in the scheduler
         with pytest.raises(queue.Empty):
@@ -55,10 +57,10 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
                server.metric("auk_vae_queued_requests", model=MODEL)) != (1, 1):
             assert time.monotonic() < deadline, "the gauges never showed one decoding and one queued"
             time.sleep(0.05)
-        for stream, request_id in zip(streams[:2], ("0", "1")):
-            outcome = stream.collect(timeout=120)[request_id]
+        for index, stream in enumerate(streams[:2]):
+            outcome = stream.collect(timeout=120)[str(index)]
             assert outcome.error is None and outcome.events[-1] == "tile+final", outcome
-            assert outcome.waveform().size == 600 * 480
+            assert outcome.waveform().size == frames[index] * 480
     finally:
         for stream in streams:
             stream.close()
@@ -88,10 +90,10 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
     try:
         done = []
         # One decoding, then more than the scheduler and its queue of one can hold: the one
-        # decoding takes several seconds here, these three less than two.
-        for seed in (10, 11, 12):
-            client.async_infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(seed)),
-                               lambda result, error: done.append((result, error)))
+        # decoding (a long clip) takes several seconds here, these three less than two.
+        for seed, frames in ((10, 1800), (11, 600), (12, 600)):
+            client.async_infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(seed, frames)),
+                               lambda result, error, frames=frames: done.append((frames, result, error)))
             time.sleep(0.5)
         with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
             client.infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(13, frames=20)))
@@ -103,10 +105,10 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
         while len(done) < 3:
             assert time.monotonic() < deadline, "the requests sent first did not all end"
             time.sleep(0.05)
-        served = [result for result, error in done if error is None]
+        served = [(frames, result) for frames, result, error in done if error is None]
         assert len(served) >= 2, done  # the one decoding and one waiting at least
-        assert all(result.as_numpy("WAVEFORM").size == 600 * 480 for result in served)
-        assert all(MODEL_FULL in str(error) for _, error in done if error is not None), done
+        assert all(result.as_numpy("WAVEFORM").size == frames * 480 for frames, result in served)
+        assert all(MODEL_FULL in str(error) for _, _, error in done if error is not None), done
     finally:
         client.close()
         http.close()
