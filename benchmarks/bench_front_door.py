@@ -9,12 +9,16 @@ for WAVEFORM_PCM16, and times the first response (first audio) and the final one
 alternate the two targets (front, direct) so drift on the machine falls on both;
 round 0 warms up and is left out. ServerLive calls, timed the same way, give the hop
 alone (no model work). With `--http` the offline model over HTTP
-(binary tensors) is timed the same way. Every response must equal the first one
-direct. Weights are synthetic (seeded, not real audio).
+(binary tensors) is timed the same way. With `--floor MS` the floor model
+(floor_model.py: it waits MS, then answers the clip's length in zeros) takes the
+decoder's place: the front door's cost for a clip's bytes with no decode in the
+way, which a CPU can measure too. Every response must equal the first one direct.
+Weights are synthetic (seeded, not real audio).
 
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_front_door.py --device cuda --seconds 10
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_front_door.py \
         --device cpu --preset small --seconds 1 --reps 5 --rounds 2   # a check that it runs
+    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_front_door.py --device cpu --preset small --floor 1
 """
 
 import argparse
@@ -30,16 +34,20 @@ from pathlib import Path
 
 import numpy as np
 
-from common import MODEL, OFFLINE_MODEL, clip_latents, free_port, heading, model_repository_copy, say, synthetic_checkpoint
+from common import FLOOR_MODEL, MODEL, OFFLINE_MODEL, add_floor_model, clip_latents, free_port, heading, model_repository_copy, say, synthetic_checkpoint
 
 BUCKET = 512  # one window: a clip of at most this many frames is one response
 
 
-def start_launcher(checkpoint: Path, work: Path, device: str, models, buckets, timeout_s: float = 600):
-    """The launcher on free loopback ports; returns (process, public ports, internal ports)."""
+def start_launcher(checkpoint: Path, work: Path, device: str, models, buckets, floor_ms: float | None = None,
+                   timeout_s: float = 600):
+    """The launcher on free loopback ports (with the floor model if `floor_ms`); returns
+    (process, public ports, internal ports)."""
     public = {kind: free_port() for kind in ("http", "grpc", "metrics")}
     internal = {kind: free_port() for kind in ("http", "grpc")}
     repository = model_repository_copy(work / "model_repository", buckets)
+    if floor_ms is not None:
+        add_floor_model(repository, floor_ms, BUCKET, "cuda" if device == "gpu" else "cpu")
     env = dict(
         os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(work / "cache"), AUK_DEVICE=device,
         AUK_MODEL_REPOSITORY=str(repository), AUK_MODELS=",".join(models), AUK_ADDRESS="127.0.0.1",
@@ -68,10 +76,10 @@ def start_launcher(checkpoint: Path, work: Path, device: str, models, buckets, t
 class StreamClient:
     """One gRPC stream; `request()` returns (first response s, final response s, samples)."""
 
-    def __init__(self, url: str, latents: np.ndarray):
+    def __init__(self, url: str, latents: np.ndarray, model: str = MODEL):
         import tritonclient.grpc as grpcclient
 
-        self.grpc, self.latents = grpcclient, latents
+        self.grpc, self.latents, self.model = grpcclient, latents, model
         self.client = grpcclient.InferenceServerClient(url)
         self.responses = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
@@ -81,7 +89,7 @@ class StreamClient:
         tensor.set_data_from_numpy(self.latents)
         outputs = [self.grpc.InferRequestedOutput("WAVEFORM_PCM16"), self.grpc.InferRequestedOutput("START_SAMPLE")]
         began = time.perf_counter()
-        self.client.async_stream_infer(MODEL, [tensor], outputs=outputs, request_id=request_id,
+        self.client.async_stream_infer(self.model, [tensor], outputs=outputs, request_id=request_id,
                                        enable_empty_final_response=True)
         first, tiles = None, []
         while True:
@@ -154,17 +162,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50, help="timed requests per target and round")
     parser.add_argument("--rounds", type=int, default=4, help="round 0 warms up and is left out")
     parser.add_argument("--http", action="store_true", help="also time the offline model over HTTP (binary)")
+    parser.add_argument("--floor", type=float, metavar="MS", help="stream to the floor model, which waits MS per request")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="auk-front-door-"))
     checkpoint = synthetic_checkpoint(work / "checkpoint", args.preset)
     latents = clip_latents(args.seconds)
-    say(heading(f"The front door's cost at one client, {args.preset} (synthetic), {args.seconds:g} s clip, PCM16",
-                args.device))
-    models = (MODEL, OFFLINE_MODEL) if args.http else (MODEL,)
-    process, public, internal = start_launcher(checkpoint, work, "gpu" if args.device == "cuda" else "cpu", models, [BUCKET])
+    model = MODEL if args.floor is None else FLOOR_MODEL
+    answered_by = f"{args.preset} (synthetic)" if args.floor is None else f"the floor model ({args.floor:g} ms)"
+    say(heading(f"The front door's cost at one client, {answered_by}, {args.seconds:g} s clip, PCM16", args.device))
+    models = (model, OFFLINE_MODEL) if args.http else (model,)
+    process, public, internal = start_launcher(checkpoint, work, "gpu" if args.device == "cuda" else "cpu", models, [BUCKET],
+                                               args.floor)
     ways = {
-        "stream gRPC": lambda port: StreamClient(f"127.0.0.1:{port['grpc']}", latents),
+        "stream gRPC": lambda port: StreamClient(f"127.0.0.1:{port['grpc']}", latents, model),
         "ServerLive gRPC": lambda port: PingClient(f"127.0.0.1:{port['grpc']}", np.zeros(1)),
     }
     if args.http:

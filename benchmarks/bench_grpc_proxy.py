@@ -1,10 +1,11 @@
 """What a Python gRPC hop costs: ServerLive straight to tritonserver, through the
-smallest byte-forwarding proxy grpcio allows, in both of its servers, and through an
-asyncio splice of the HTTP/2 connection, with and without reading its frames.
+smallest byte-forwarding proxy grpcio allows, in both of its servers, through an
+asyncio splice of the HTTP/2 connection, with and without reading its frames, and
+through the front door's own splice (auk_triton/serving/grpc_splice.py, no models).
 
-The front door (auk_triton/serving/front_door.py) is a grpc.aio server forwarding bytes
-to tritonserver. This measures the floor of that design apart from its checks: a proxy
-that only forwards, as a grpc.aio server and channel (the front door's stack) and as a
+The front door's gRPC port was a grpc.aio server forwarding bytes to tritonserver.
+This measures the floor of that design apart from its checks: a proxy
+that only forwards, as a grpc.aio server and channel (that stack) and as a
 synchronous grpcio server (thread pool) with a blocking channel. Against it, a proxy
 that does not speak gRPC at all: asyncio streams pass the TCP bytes both ways
 unchanged, and in its second form read the client's HTTP/2 frames as they pass, and
@@ -148,6 +149,21 @@ def serve_splice(port: int, upstream: str, read_frames: bool) -> None:
     asyncio.run(main())
 
 
+def serve_front_door(port: int, upstream: str) -> None:
+    """The front door's own gRPC port (auk_triton/serving/grpc_splice.py), with no models."""
+    from auk_triton.serving.grpc_splice import GrpcSplice
+    from auk_triton.serving.upstream import UpstreamState
+
+    async def main():
+        state = UpstreamState()
+        state.running = True
+        splice = GrpcSplice({}, int(upstream.rsplit(":", 1)[1]), state)
+        await splice.start("127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
 def wait_live(stub, request, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -166,6 +182,7 @@ PROXIES = {
     "sync": ("synchronous proxy", serve_sync),
     "splice": ("asyncio splice", lambda port, upstream: serve_splice(port, upstream, read_frames=False)),
     "frames": ("asyncio splice reading frames", lambda port, upstream: serve_splice(port, upstream, read_frames=True)),
+    "front": ("the front door's splice", serve_front_door),
 }
 
 

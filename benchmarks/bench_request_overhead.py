@@ -58,7 +58,6 @@ import json
 import os
 import queue
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -70,11 +69,13 @@ from pathlib import Path
 import numpy as np
 
 from common import (
+    FLOOR_MODEL,
     FRAMES_PER_SECOND,
     MODEL,
     MODEL_METRICS_LAG_S,
     OFFLINE_MODEL,
     SAMPLES_PER_FRAME,
+    add_floor_model,
     clip_latents,
     heading,
     in_process_decode,
@@ -86,7 +87,6 @@ from common import (
 )
 
 BUCKET = 512  # the one compiled window: a clip of up to 10.24 s is one tile
-FLOOR_MODEL = "auk_vae_floor"
 WAYS = ("stream gRPC", "stream shm", "offline gRPC", "offline shm", "offline HTTP",
         "floor stream gRPC", "floor stream shm")
 PARTS = ("to the server", "waiting", "in the model", "decode in the model", "back to the client")
@@ -161,32 +161,6 @@ class Client:
             for region in self.regions.values():
                 region.close()
                 region.unlink()
-
-
-def add_floor_model(repository: Path, wait_ms: float, record_to: Path, device: str) -> None:
-    """`floor_model.py` as FLOOR_MODEL in `repository`, with auk_vae_decode's tensors."""
-    folder = repository / FLOOR_MODEL
-    (folder / "1").mkdir(parents=True)
-    shutil.copy(Path(__file__).with_name("floor_model.py"), folder / "1" / "model.py")
-    parameters = {"wait_ms": f"{wait_ms:.4f}", "max_frames": str(BUCKET), "record_to": str(record_to)}
-    parameters = ",\n".join(f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-                             for key, value in parameters.items())
-    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
-    (folder / "config.pbtxt").write_text(f'''name: "{FLOOR_MODEL}"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy {{ decoupled: true }}
-input [ {{ name: "LATENTS", data_type: TYPE_FP32, dims: [ -1, 64 ] }} ]
-output [
-  {{ name: "WAVEFORM", data_type: TYPE_FP32, dims: [ -1 ] }},
-  {{ name: "WAVEFORM_PCM16", data_type: TYPE_INT16, dims: [ -1 ] }},
-  {{ name: "START_SAMPLE", data_type: TYPE_INT64, dims: [ 1 ] }}
-]
-instance_group [ {{ kind: {kind}, count: 1 }} ]
-parameters [
-{parameters}
-]
-''')
 
 
 def perf_analyzer_p50(model: str, grpc_url: str, http_url: str, seconds: float, requests: int, out: Path,
@@ -265,7 +239,7 @@ def main() -> None:
     floor = any(way.startswith("floor") for way in args.ways)
     floor_waits = work / "floor_waits.json"
     if floor:
-        add_floor_model(repository, decode_ms, floor_waits, args.device)
+        add_floor_model(repository, decode_ms, BUCKET, args.device, floor_waits)
     process, grpc_url, http_url, metrics_url = start_server(
         checkpoint, work / "cache", work / "tritonserver.log",
         models=(MODEL, OFFLINE_MODEL) + ((FLOOR_MODEL,) if floor else ()),

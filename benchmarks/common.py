@@ -39,6 +39,7 @@ SAMPLES_PER_FRAME = 480
 MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
 # The decode model reports its counters this long after a request ends, at most.
 MODEL_METRICS_LAG_S = 0.1
+FLOOR_MODEL = "auk_vae_floor"  # floor_model.py, where a script adds it
 
 
 def say(line: str = "") -> None:
@@ -258,6 +259,33 @@ def model_repository_copy(dest: Path, buckets=None) -> Path:
                     raise RuntimeError(f"no compile_shapes parameter in {config}")
                 config.write_text(text)
     return dest
+
+
+def add_floor_model(repository: Path, wait_ms: float, max_frames: int, device: str, record_to: Path | None = None) -> None:
+    """`floor_model.py` as FLOOR_MODEL in `repository`, with auk_vae_decode's tensors: it waits
+    `wait_ms` per request and answers zeros (`record_to`: where it writes its waits)."""
+    folder = repository / FLOOR_MODEL
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(HERE / "floor_model.py", folder / "1" / "model.py")
+    parameters = {"wait_ms": f"{wait_ms:.4f}", "max_frames": str(max_frames), "record_to": str(record_to or "")}
+    parameters = ",\n".join(f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+                             for key, value in parameters.items())
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+    (folder / "config.pbtxt").write_text(f'''name: "{FLOOR_MODEL}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "LATENTS", data_type: TYPE_FP32, dims: [ -1, 64 ] }} ]
+output [
+  {{ name: "WAVEFORM", data_type: TYPE_FP32, dims: [ -1 ] }},
+  {{ name: "WAVEFORM_PCM16", data_type: TYPE_INT16, dims: [ -1 ] }},
+  {{ name: "START_SAMPLE", data_type: TYPE_INT64, dims: [ 1 ] }}
+]
+instance_group [ {{ kind: {kind}, count: 1 }} ]
+parameters [
+{parameters}
+]
+''')
 
 
 def free_port() -> int:

@@ -41,7 +41,8 @@ STOP_MARGIN_S = 10.0
 TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's own default for --exit-timeout-secs
 # A KServe gRPC stream's response has an error message and no status. For a stream whose
 # client asks for statuses (the header `triton_grpc_error: true`, whose handling in
-# Triton 2.51 itself crashed the server), the front door sets this request parameter and
+# Triton 2.51 itself crashed the server), the front door sets this request parameter (a
+# header of this name, which tritonserver forwards to each request of the stream) and
 # the models open each error message with its status ("[INVALID_ARGUMENT] ..."): the front
 # door ends the stream with that status and the message without it.
 STATUS_IN_MESSAGE_PARAMETER = "auk_status_in_error_message"

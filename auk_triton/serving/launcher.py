@@ -256,7 +256,7 @@ def _say(text: str) -> None:
 
 def front_door_setup(env: dict[str, str], extra: list[str]):
     """(tritonserver argv and env behind the front, the front door) from AUK_* variables."""
-    from . import front_door
+    from . import front_door, request_limits
 
     address = config.address(env)
     public = {kind: config.port(env, kind) for kind in config.DEFAULT_PORTS}
@@ -267,11 +267,14 @@ def front_door_setup(env: dict[str, str], extra: list[str]):
             "--http-address=127.0.0.1",
             "--grpc-address=127.0.0.1",
             f"--metrics-address={address}",  # else it follows --http-address
+            # The gRPC front renames a stream's triton_grpc_error header to this one; Triton
+            # hands it to each of the stream's requests as a parameter.
+            f"--grpc-header-forward-pattern=^{config.STATUS_IN_MESSAGE_PARAMETER}$",
             *extra,
         ],
         env=env,
     )
-    limits = front_door.repository_limits(served_repository(None, env), served_config_name(env))
+    limits = request_limits.repository_limits(served_repository(None, env), served_config_name(env))
     front = front_door.FrontDoor(limits, address, public, internal, front_door.UpstreamState())
     return command, server_env, front
 

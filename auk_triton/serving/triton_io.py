@@ -45,12 +45,13 @@ def error_response(message: str, code):
 
 def wants_status_in_message(request) -> bool:
     """Whether the front door asked for the status at the head of this request's error message
-    (config.STATUS_IN_MESSAGE_PARAMETER)."""
+    (config.STATUS_IN_MESSAGE_PARAMETER: a forwarded header, "true", or a bool parameter)."""
     try:
         parameters = json.loads(request.parameters() or "{}")
     except (AttributeError, TypeError, ValueError):
         return False
-    return parameters.get(STATUS_IN_MESSAGE_PARAMETER) is True
+    asked = parameters.get(STATUS_IN_MESSAGE_PARAMETER)
+    return asked is True or isinstance(asked, str) and asked.strip().lower() == "true"
 
 
 def failure_response(model: str, action: str, err: Exception, request=None):

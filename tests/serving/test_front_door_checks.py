@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from auk_triton.serving import config, front_door, launcher
-from auk_triton.serving.front_door import Refused
+from auk_triton.serving import config, grpc_splice, launcher, request_limits
+from auk_triton.serving.request_limits import Refused
 from auk_triton.serving.requests import RequestError, dit_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def limits():
-    return front_door.repository_limits(REPO_ROOT / "model_repository")
+    return request_limits.repository_limits(REPO_ROOT / "model_repository")
 
 
 def latents_header(shape, data=None, **parameters) -> dict:
@@ -32,7 +32,7 @@ def latents_header(shape, data=None, **parameters) -> dict:
 
 def test_each_model_s_limits_come_from_its_own_settings_and_an_ensemble_s_from_its_steps(limits):
     assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (config.DEFAULT_MAX_FRAMES, 64)
-    assert limits["auk_vae_decode_offline"].max_bytes() == front_door.HEADER_ALLOWANCE + 30000 * 64 * 4
+    assert limits["auk_vae_decode_offline"].max_bytes() == request_limits.HEADER_ALLOWANCE + 30000 * 64 * 4
     # auk_dit batches requests itself: each request carries a batch axis of 1, which the ensembles add.
     assert limits["auk_dit"].inputs["PROMPT_EMBEDS"].bounds == (1, config.DEFAULT_PROMPT_TOKENS, 2048)
     assert limits["auk_dit"].inputs["SEED"].bounds == (1, 1)
@@ -41,62 +41,62 @@ def test_each_model_s_limits_come_from_its_own_settings_and_an_ensemble_s_from_i
     assert limits["auk_vae_encode"].inputs["AUDIO"].bounds == (config.DEFAULT_MAX_FRAMES * 480,)
     assert limits["auk_edit"].inputs["AUDIO"].bounds == (config.DEFAULT_MAX_FRAMES * 480,)
     assert limits["auk_edit"].inputs["PROMPT_EMBEDS"].bounds == (config.DEFAULT_PROMPT_TOKENS, 2048)
-    assert front_door.max_message_bytes(limits) == max(limits[name].max_bytes() for name in limits)
+    assert request_limits.max_message_bytes(limits) == max(limits[name].max_bytes() for name in limits)
 
 
 def test_a_max_frames_set_in_a_config_is_the_limit_the_front_door_applies(tmp_path):
     from triton_harness import copy_model_repository
 
     repository = copy_model_repository(tmp_path / "repo", parameters={"max_frames": 512})
-    limits = front_door.repository_limits(repository)
+    limits = request_limits.repository_limits(repository)
     assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (512, 64)
-    assert front_door.max_message_bytes(limits) == front_door.HEADER_ALLOWANCE + 512 * 64 * 4
+    assert request_limits.max_message_bytes(limits) == request_limits.HEADER_ALLOWANCE + 512 * 64 * 4
 
 
 def test_a_declared_shape_past_the_model_s_limit_is_refused_naming_the_shape_and_the_limit(limits):
     model = limits["auk_vae_decode_offline"]
     with pytest.raises(Refused, match=r"declares shape \[2000000000, 64\]; this model takes at most \[30000, 64\] \(max_frames\)"):
-        front_door.check_http_infer(model, latents_header([2000000000, 64], [0.0] * 192), None)
+        request_limits.check_http_infer(model, latents_header([2000000000, 64], [0.0] * 192), None)
     for shape in ([3, 64, 1], [-1, 64], [3, 65], "3,64"):
         with pytest.raises(Refused):
-            front_door.check_http_infer(model, latents_header(shape, [0.0] * 192), None)
-    front_door.check_http_infer(model, latents_header([30000, 64], [[0.0] * 64] * 30000), None)
+            request_limits.check_http_infer(model, latents_header(shape, [0.0] * 192), None)
+    request_limits.check_http_infer(model, latents_header([30000, 64], [[0.0] * 64] * 30000), None)
 
 
 def test_a_json_shape_that_does_not_match_its_data_is_refused_naming_both_counts(limits):
     model = limits["auk_vae_decode_offline"]
     with pytest.raises(Refused, match=r"declares shape \[3, 64\] \(192 values\) but its data holds 190"):
-        front_door.check_http_infer(model, latents_header([3, 64], [0.5] * 190), None)
-    front_door.check_http_infer(model, latents_header([3, 64], [[0.5] * 64] * 3), None)  # nested
-    front_door.check_http_infer(model, latents_header([3, 64], [0.5] * 192), None)  # flat
+        request_limits.check_http_infer(model, latents_header([3, 64], [0.5] * 190), None)
+    request_limits.check_http_infer(model, latents_header([3, 64], [[0.5] * 64] * 3), None)  # nested
+    request_limits.check_http_infer(model, latents_header([3, 64], [0.5] * 192), None)  # flat
 
 
 def test_binary_sizes_must_match_the_declared_shape_and_the_body(limits):
     model = limits["auk_vae_decode_offline"]
-    front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 768)
+    request_limits.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 768)
     with pytest.raises(Refused, match="binary_data_size 700"):
-        front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=700), 700)
+        request_limits.check_http_infer(model, latents_header([3, 64], binary_data_size=700), 700)
     with pytest.raises(Refused, match="declare 768 bytes of binary data; the request sends 100"):
-        front_door.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 100)
+        request_limits.check_http_infer(model, latents_header([3, 64], binary_data_size=768), 100)
 
 
 def test_a_wrong_datatype_or_an_unknown_input_or_model_is_refused_in_triton_s_words(limits):
     model = limits["auk_vae_decode"]
     header = {"inputs": [{"name": "LATENTS", "datatype": "FP64", "shape": [1, 64], "data": [0.0] * 64}]}
     with pytest.raises(Refused, match="data-type is 'FP64', but model 'auk_vae_decode' expects 'FP32'"):
-        front_door.check_http_infer(model, header, None)
+        request_limits.check_http_infer(model, header, None)
     header["inputs"][0].update(name="LATENTZ", datatype="FP32")
     with pytest.raises(Refused, match="unexpected inference input 'LATENTZ'"):
-        front_door.check_http_infer(model, header, None)
+        request_limits.check_http_infer(model, header, None)
     with pytest.raises(Refused, match="unknown model: 'nope'"):
-        front_door._model(limits, "nope")
+        request_limits._model(limits, "nope")
 
 
 def test_generate_inputs_are_counted_against_the_limit(limits):
     model = limits["auk_vae_decode"]
-    front_door.check_http_generate(model, {"LATENTS": [0.0] * (30000 * 64)})
+    request_limits.check_http_generate(model, {"LATENTS": [0.0] * (30000 * 64)})
     with pytest.raises(Refused, match="holds 1920064 values; it takes at most 1920000 \\(max_frames\\)"):
-        front_door.check_http_generate(model, {"LATENTS": [0.0] * (30001 * 64)})
+        request_limits.check_http_generate(model, {"LATENTS": [0.0] * (30001 * 64)})
 
 
 def test_a_grpc_request_s_declared_shape_is_checked_against_its_model(limits):
@@ -107,12 +107,12 @@ def test_a_grpc_request_s_declared_shape_is_checked_against_its_model(limits):
     tensor.shape.extend([1, 513, 2048])
     with pytest.raises(Refused, match=r"declares shape \[1, 513, 2048\]; this model takes at most \[1, 512, 2048\] "
                                       r"\(max_prompt_tokens\)"):
-        front_door.check_grpc_infer(limits, request)
+        request_limits.check_grpc_infer(limits, request)
     tensor.shape[1] = 512
-    front_door.check_grpc_infer(limits, request)
+    request_limits.check_grpc_infer(limits, request)
     tensor.shape[0] = 16  # several clips in one request: the model batches requests, not clips
     with pytest.raises(Refused, match=r"declares shape \[16, 512, 2048\]"):
-        front_door.check_grpc_infer(limits, request)
+        request_limits.check_grpc_infer(limits, request)
 
 
 def test_auk_dit_itself_refuses_more_prompt_tokens_than_max_prompt_tokens():
@@ -169,7 +169,7 @@ def test_the_answer_s_encoding_is_the_one_triton_picks_from_accept_encoding():
 
 
 def test_a_stream_error_s_status_is_read_from_its_message_and_taken_out_of_it():
-    status_of = front_door.status_of
+    status_of = grpc_splice.status_of
     assert status_of("[INVALID_ARGUMENT] LATENTS holds 1 NaN") == ("INVALID_ARGUMENT", "LATENTS holds 1 NaN")
     assert status_of("in ensemble 'auk_pipeline', [INTERNAL] generation failed: x") == (
         "INTERNAL", "in ensemble 'auk_pipeline', generation failed: x")

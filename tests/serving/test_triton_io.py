@@ -76,7 +76,10 @@ def test_a_request_that_asks_for_it_gets_its_status_at_the_head_of_the_message(f
     from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
 
     plain = failure_response("m", "decode", err).error
-    asked = failure_response("m", "decode", err, Request(f'{{"{STATUS_IN_MESSAGE_PARAMETER}": true}}')).error
-    assert asked.code == plain.code and asked.message == f"[{status}] {plain.message}"
-    for parameters in ("{}", f'{{"{STATUS_IN_MESSAGE_PARAMETER}": "true"}}', "not json"):
+    # A bool parameter, or the header tritonserver forwards as a string parameter.
+    for ask in ("true", '"true"', '"True "'):
+        asked = failure_response("m", "decode", err, Request(f'{{"{STATUS_IN_MESSAGE_PARAMETER}": {ask}}}')).error
+        assert asked.code == plain.code and asked.message == f"[{status}] {plain.message}"
+    for parameters in ("{}", f'{{"{STATUS_IN_MESSAGE_PARAMETER}": "false"}}', f'{{"{STATUS_IN_MESSAGE_PARAMETER}": 1}}',
+                       "not json"):
         assert failure_response("m", "decode", err, Request(parameters)).error.message == plain.message
