@@ -100,6 +100,12 @@ def varint(buffer, at: int):
     return None
 
 
+def settings(payload):
+    """(identifier, value) of each setting in a SETTINGS frame's payload."""
+    for at in range(0, len(payload) - 5, 6):
+        yield int.from_bytes(payload[at:at + 2], "big"), int.from_bytes(payload[at + 2:at + 6], "big")
+
+
 # grpc-message is percent-encoded UTF-8: every printable ASCII character but % stays as it is.
 MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
@@ -197,7 +203,9 @@ class Connection:
                 if loop.time() > deadline:
                     break
                 await asyncio.sleep(0.1)
-        if self.closed:
+        if self.closed:  # the client left while the splice connected
+            if self.server is not None:
+                self.server.transport.close()
             return
         if self.server is None:
             self._to_client(frame(SETTINGS, 0, 0))  # no server behind: the splice answers as one
@@ -353,8 +361,7 @@ class Connection:
             self._upstream(bytes(whole))
 
     def _client_settings(self, payload) -> None:
-        for at in range(0, len(payload) - 5, 6):
-            key, value = int.from_bytes(payload[at:at + 2], "big"), int.from_bytes(payload[at + 2:at + 6], "big")
+        for key, value in settings(payload):
             if key == SETTINGS_MAX_FRAME_SIZE:
                 self.client_frame_bytes = value
             elif key == SETTINGS_HEADER_TABLE_SIZE:
@@ -601,9 +608,7 @@ class Connection:
                 self._land(call)
         elif kind == SETTINGS:
             if not flags & ACK:
-                payload = whole[9:]
-                for at in range(0, len(payload) - 5, 6):
-                    key, value = int.from_bytes(payload[at:at + 2], "big"), int.from_bytes(payload[at + 2:at + 6], "big")
+                for key, value in settings(whole[9:]):
                     if key == SETTINGS_MAX_FRAME_SIZE:
                         self.server_frame_bytes = value
                     elif key == SETTINGS_HEADER_TABLE_SIZE:

@@ -224,3 +224,50 @@ def test_a_unary_request_sent_a_byte_a_frame_decodes_as_the_same_request_in_one_
         response = service_pb2.ModelInferResponse.FromString(messages[0])
         answers.append(response.raw_output_contents[[o.name for o in response.outputs].index("WAVEFORM")])
     assert answers[0] == answers[1] and len(answers[0]) == 20 * 480 * 4
+
+
+def test_streams_at_once_on_separate_connections_and_on_one_stay_exact_and_independent(front_door, reference_vae):
+    """Four tritonclient streams (a connection each) and three streams multiplexed on one gRPC
+    channel, at once; some requests refused in the middle of their stream. Every good
+    request decodes exactly as the library does, every refused one gets its own error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    clips = {f"c{i}": latents(12 + 5 * i, seed=20 + i) for i in range(7)}
+    expected = {name: np.concatenate([w for _, w in library_tiles(reference_vae, clip, front_door)])
+                for name, clip in clips.items()}
+
+    def tritonclient_stream(name: str):
+        stream = DecodeStream(front_door.grpc_url)
+        try:
+            for rep in range(3):
+                stream.send(clips[name], request_id=f"{name}/{rep}")
+                stream.collect()
+                if rep == 1:  # one at a time: a stream's error names no request
+                    stream.send(latents(FRONT_MAX_FRAMES + 1), request_id=f"{name}/too long")
+                    stream.collect()
+            return stream.collect()
+        finally:
+            stream.close()
+
+    def shared_channel_streams(channel, name: str):
+        requests = [infer_request(STREAMING, clips[name].shape, clips[name], f"{name}/{rep}").SerializeToString()
+                    for rep in range(2)]
+        requests.insert(1, infer_request(STREAMING, [WRAPPING_ROWS, 64], latents(3), f"{name}/wraps").SerializeToString())
+        call = channel.stream_stream(STREAM_INFER)(iter(requests), timeout=120)
+        return [service_pb2.ModelStreamInferResponse.FromString(m) for m in call]
+
+    with grpc.insecure_channel(front_door.grpc_url) as channel, ThreadPoolExecutor(7) as pool:
+        separate = {name: pool.submit(tritonclient_stream, name) for name in ("c0", "c1", "c2", "c3")}
+        shared = {name: pool.submit(shared_channel_streams, channel, name) for name in ("c4", "c5", "c6")}
+        for name, future in separate.items():
+            outcomes = future.result()
+            assert "declares shape" in outcomes[f"{name}/too long"].error
+            for rep in range(3):
+                np.testing.assert_allclose(outcomes[f"{name}/{rep}"].waveform(), expected[name], rtol=0, atol=1e-6)
+        for name, future in shared.items():
+            responses = future.result()
+            errors = [r.error_message for r in responses if r.error_message]
+            assert len(errors) == 1 and f"declares shape [{WRAPPING_ROWS}, 64]" in errors[0]
+            for rep in range(2):
+                mine = [r for r in responses if not r.error_message and r.infer_response.id == f"{name}/{rep}"]
+                np.testing.assert_allclose(streamed_waveform(mine), expected[name], rtol=0, atol=1e-6)
