@@ -388,7 +388,8 @@ class Connection:
                     self._goaway()
                 return
             self.calls[stream] = call
-            headers = [(name, value) for name, value in headers if name != STATUS_HEADER]
+            # Only the splice asks a model for statuses in its messages: it takes them out again.
+            headers = [(name, value) for name, value in headers if name not in (STATUS_HEADER, FORWARDED_STATUS_HEADER)]
             if statuses:
                 headers.append((FORWARDED_STATUS_HEADER, b"true"))
             call.flight = self.state.take_off(
@@ -875,6 +876,7 @@ class Side(asyncio.BufferedProtocol):
             transport.pause_reading()  # until the splice knows what is behind it
             self.connection = Connection(self.front, self)
             self.front.connections.add(self.connection)
+            # Held here: the loop keeps only a weak reference to a task.
             self.connection.task = asyncio.ensure_future(self.connection.connect())
         else:
             self.connection.server = self
