@@ -126,3 +126,34 @@ def test_a_tritonserver_of_its_own_runs_with_its_own_backends(tmp_path):
     )
     assert argv[0] == "/opt/tritonserver/bin/tritonserver"
     assert not any(a.startswith("--backend-directory=") for a in argv)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited and not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_what_a_dead_tritonserver_left_in_its_process_group_is_killed():
+    """A process group leader killed from outside leaves its child running, as a tritonserver
+    cut short leaves its Python backend stubs; reap kills the child."""
+    import signal
+    import subprocess
+    import time
+
+    server = pytest.importorskip("auk_triton.serving.launcher")
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = int(leader.stdout.readline())
+    leader.send_signal(signal.SIGKILL)
+    leader.wait()
+    assert _running(child), "the child should outlive its leader"
+    server.reap(leader.pid)
+    deadline = time.monotonic() + 10
+    while _running(child):
+        assert time.monotonic() < deadline, "the child still runs"
+        time.sleep(0.05)
+    server.reap(leader.pid)  # nothing left: no error
