@@ -405,21 +405,11 @@ class Connection:
         if call is None or call.client_done:
             self._credit_client(None, len(whole) - 9)
             return
+        # A frame inside a message's bytes went on as it came (_client_data_passes); this one is
+        # made anew. (So a padded frame goes on unpadded: tritonserver's grpc-core resets a
+        # stream with a padded DATA frame, PROTOCOL_ERROR.)
         payload = whole[start:stop]
         end = bool(flags & END_STREAM)
-        # Inside a message, unpadded: as it came. (A padded frame goes on unpadded: tritonserver's
-        # grpc-core resets a stream with a padded DATA frame, PROTOCOL_ERROR.)
-        if call.phase in (PASS, TENSORS) and call.left > len(payload) and not flags & PADDED:
-            if call.phase == TENSORS:
-                try:
-                    self._walk_tensors(call, payload)
-                except Refusal as refusal:
-                    self._credit_client(None, len(whole) - 9)
-                    return self._refuse(call, refusal)
-            call.left -= len(payload)
-            call.client_done = end
-            self._upstream(bytes(whole))
-            return
         try:
             parts, swallowed = self._request_bytes(call, payload)
         except Refusal as refusal:
@@ -609,11 +599,7 @@ class Connection:
                 self._land(call)
         elif kind == SETTINGS:
             if not flags & ACK:
-                for key, value in settings(whole[9:]):
-                    if key == SETTINGS_MAX_FRAME_SIZE:
-                        self.server_frame_bytes = value
-                    elif key == SETTINGS_HEADER_TABLE_SIZE:
-                        self.client_decoder.max_allowed_table_size = max(self.client_decoder.max_allowed_table_size, value)
+                self._server_settings(whole[9:])
             self._to_client(bytes(whole))
         elif kind == WINDOW_UPDATE:
             if stream == 0 or stream in self.calls:
@@ -622,6 +608,13 @@ class Connection:
             self.server_decoder.decode(whole, raw=True)
         else:  # PING, GOAWAY, extensions
             self._to_client(bytes(whole))
+
+    def _server_settings(self, payload) -> None:
+        for key, value in settings(payload):
+            if key == SETTINGS_MAX_FRAME_SIZE:
+                self.server_frame_bytes = value
+            elif key == SETTINGS_HEADER_TABLE_SIZE:
+                self.client_decoder.max_allowed_table_size = max(self.client_decoder.max_allowed_table_size, value)
 
     def _server_headers(self, stream: int, flags: int, headers) -> None:
         call = self.calls.get(stream)
@@ -818,17 +811,13 @@ class Connection:
         if call.phase == PREFIX and not call.held:
             call.upstream_closed, call.half_close_pending = True, False
             self._upstream(frame(DATA, END_STREAM, call.id))
-            self._kick()
+            self.flush()  # a stop calls this outside the sides' receiving
         else:
             call.half_close_pending = True
 
     def _cut(self, call: Call) -> None:
         self._end(call, "UNAVAILABLE", call.flight.cut or STOPPING_MESSAGE)
-        self._kick()
-
-    def _kick(self) -> None:
-        """Send what a stop queued outside the sides' receiving."""
-        self.flush()
+        self.flush()  # a stop calls this outside the sides' receiving
 
     def _land(self, call: Call) -> None:
         if call.flight is not None:
