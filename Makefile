@@ -34,7 +34,7 @@ $(STAMP): requirements.txt pyproject.toml client/pyproject.toml
 # Compile caches, synthetic checkpoints and the backend folder go to .cache/ here
 # (`make clean` removes it) unless AUK_CACHE_DIR says otherwise.
 serve: $(STAMP)
-	AUK_CACHE_DIR="$${AUK_CACHE_DIR:-$(CURDIR)/.cache}" $(VPY) -m auk_triton.serving.launcher
+	AUK_CACHE_DIR="$${AUK_CACHE_DIR:-$(CURDIR)/.cache}" $(VPY) -m auk_triton.front_door.launcher
 
 test: $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 r"""What the front door costs one client: the same requests through it and straight to
 tritonserver's internal port, in one run.
 
-The server is started as `make serve` starts it (`python -m auk_triton.serving.launcher`:
+The server is started as `make serve` starts it (`python -m auk_triton.front_door.launcher`:
 the front door on the public ports, tritonserver on loopback behind it). One client
 sends the same clip back to back on one gRPC stream to the streaming decoder, asking
 for WAVEFORM_PCM16, and times the first response (first audio) and the final one
@@ -55,7 +55,7 @@ def start_launcher(checkpoint: Path, work: Path, device: str, models, buckets, f
         **{f"AUK_INTERNAL_{k.upper()}_PORT": str(v) for k, v in internal.items()},
     )
     log = open(work / "launcher.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "auk_triton.serving.launcher", "--exit-timeout-secs=5"],
+    process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5"],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     began = time.perf_counter()
     while time.perf_counter() - began < timeout_s:

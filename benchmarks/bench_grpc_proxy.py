@@ -1,9 +1,9 @@
 """What a Python gRPC hop costs: ServerLive straight to tritonserver, through the
 smallest byte-forwarding proxy grpcio allows, in both of its servers, through an
 asyncio splice of the HTTP/2 connection, with and without reading its frames, and
-through the front door's own splice (auk_triton/serving/grpc_splice.py, no models).
+through the front door's own gRPC front (auk_triton/front_door/grpc_front.py, no models).
 
-The front door's gRPC port was a grpc.aio server forwarding bytes to tritonserver.
+The front door's gRPC port is a grpc.aio server forwarding bytes to tritonserver.
 This measures the floor of that design apart from its checks: a proxy
 that only forwards, as a grpc.aio server and channel (that stack) and as a
 synchronous grpcio server (thread pool) with a blocking channel. Against it, a proxy
@@ -150,16 +150,17 @@ def serve_splice(port: int, upstream: str, read_frames: bool) -> None:
 
 
 def serve_front_door(port: int, upstream: str) -> None:
-    """The front door's own gRPC port (auk_triton/serving/grpc_splice.py), with no models."""
-    from auk_triton.serving.grpc_splice import GrpcSplice
-    from auk_triton.serving.upstream import UpstreamState
+    """The front door's own gRPC port (auk_triton/front_door/grpc_front.py), with no models."""
+    from auk_triton.front_door.grpc_front import GrpcFront, GrpcUpstream, start_server
+    from auk_triton.front_door.settings import GrpcBounds
+    from auk_triton.front_door.upstream import UpstreamState
 
     async def main():
         state = UpstreamState()
         state.running = True
-        splice = GrpcSplice({}, int(upstream.rsplit(":", 1)[1]), state)
-        await splice.start("127.0.0.1", port)
-        await asyncio.Event().wait()
+        front = GrpcFront({}, GrpcUpstream(upstream), state)
+        server = await start_server(front, {}, GrpcBounds(), "127.0.0.1", port)  # held: a dropped server stops
+        await server.wait_for_termination()
 
     asyncio.run(main())
 
@@ -182,7 +183,7 @@ PROXIES = {
     "sync": ("synchronous proxy", serve_sync),
     "splice": ("asyncio splice", lambda port, upstream: serve_splice(port, upstream, read_frames=False)),
     "frames": ("asyncio splice reading frames", lambda port, upstream: serve_splice(port, upstream, read_frames=True)),
-    "front": ("the front door's splice", serve_front_door),
+    "front": ("the front door's gRPC front", serve_front_door),
 }
 
 
@@ -203,7 +204,7 @@ def main() -> None:
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from auk_triton.serving.launcher import tritonserver_executable
+    from auk_triton.front_door.launcher import tritonserver_executable
 
     say(heading("A Python gRPC hop in front of tritonserver (ServerLive)", "cpu"))
     upstream = f"127.0.0.1:{free_port()}"

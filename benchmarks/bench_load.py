@@ -946,7 +946,7 @@ def main() -> None:
     say(f"command: {command_line()}")
     settings = decode_settings(args)
     where = "the running server's settings are its own; in process" if args.url else "served and in process"
-    say(f"settings ({where}): buckets {','.join(map(str, settings.compile_shapes))}, batch sizes "
+    say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
         f"max active requests {settings.max_active_requests}")
     checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)

@@ -101,7 +101,7 @@ def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGrap
     vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **served_decoder_options("cuda"))
     return AuKVAEDecodeGraph(
         vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
-        max_graphs=settings.max_graphs, compile_shapes=settings.compile_shapes, tile_frames=settings.tile_frames,
+        max_graphs=settings.max_graphs, compile_shapes=settings.buckets(), tile_frames=settings.tile_frames,
         first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
         batch_frames=settings.batch_frames,
     )
@@ -300,7 +300,7 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
     (default: the project's) on the `device` config ("gpu" or "cpu"), with `extra_args` for tritonserver.
 
     Returns the process and the gRPC, HTTP and metrics addresses."""
-    from auk_triton.serving.launcher import server_command
+    from auk_triton.front_door.launcher import server_command
 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,

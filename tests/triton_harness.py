@@ -148,7 +148,7 @@ def start_triton(
 ) -> TritonServer:
     """Start tritonserver on free loopback ports and wait until it reports ready; `device`
     is AUK_DEVICE (cpu: the models' config.pbtxt, gpu: their configs/gpu.pbtxt)."""
-    server_module = pytest.importorskip("auk_triton.serving.launcher")
+    server_module = pytest.importorskip("auk_triton.front_door.launcher")
     pytest.importorskip("tritonclient.grpc")
     http, grpc, metrics = _free_ports(3)
     env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint_dir), AUK_DEVICE=device)
@@ -239,10 +239,10 @@ def _rss_bytes(pid: int) -> int:
 
 
 def start_front_door(workdir: Path, model_repository: Path, checkpoint_dir: Path, extra_args=()) -> FrontDoorServer:
-    """Start the launcher (`python -m auk_triton.serving.launcher`) on free loopback ports and wait
+    """Start the launcher (`python -m auk_triton.front_door.launcher`) on free loopback ports and wait
     until its front door reports ready."""
     pytest.importorskip("aiohttp")
-    launcher = pytest.importorskip("auk_triton.serving.launcher")
+    launcher = pytest.importorskip("auk_triton.front_door.launcher")
     try:
         launcher.tritonserver_executable()
     except launcher.TritonNotFound as err:
@@ -258,7 +258,7 @@ def start_front_door(workdir: Path, model_repository: Path, checkpoint_dir: Path
     _server_logs.append(log_path)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "auk_triton.serving.launcher", "--exit-timeout-secs=5", *extra_args],
+            [sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5", *extra_args],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     server = FrontDoorServer(

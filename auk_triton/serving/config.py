@@ -1,8 +1,11 @@
-"""Every setting the serving code reads, each with its one default: the models' config
-parameters (read once at load) and the AUK_* environment variables.
+"""Every setting the Triton models read, each with its one default: their config
+parameters (read once at load) and the AUK_* variables they read (AUK_CHECKPOINT,
+AUK_CACHE_DIR, AUK_PRESET). The launcher's and the front door's own settings are in
+auk_triton/front_door/settings.py.
 
 A parameter left out of a config.pbtxt, or given as "", takes the default below.
-Nothing here needs the Triton stub, so it can be imported and tested anywhere.
+Nothing here needs the Triton stub or torch, so it can be imported and tested anywhere
+(the front door reads the models' limits through it).
 """
 
 from __future__ import annotations
@@ -12,33 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from auk_triton.codec import DEFAULT_COMPILE_SHAPES
-
 DEFAULT_MAX_FRAMES = 30000  # ten minutes at 50 frames per second
 SAMPLES_PER_FRAME = 480  # the released codec's hop (24 kHz, 50 frames per second)
 DEFAULT_PRESET = "auk"  # the synthetic preset served without a checkpoint
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "auk_triton"
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
-# The front door (front_door.py) serves the public HTTP and gRPC ports; tritonserver
-# itself listens on these, on loopback only.
-DEFAULT_INTERNAL_PORTS = {"http": 18000, "grpc": 18001}
-DEFAULT_ADDRESS = "0.0.0.0"  # where the public ports (and Triton's metrics port) listen
 DEFAULT_PROMPT_TOKENS = 512  # auk_dit's longest text condition, in tokens
-# The Python backend's shared-memory pool per model instance: room from the start for
-# the largest legitimate request, the offline model's 10-minute clip (its latents,
-# 7.68 MB, and its float32 waveform, 57.6 MB, at once), and growth in 8 MiB steps.
-SHM_DEFAULT_BYTES = 72 * 2**20
-SHM_GROWTH_BYTES = 8 * 2**20
-# The launcher restarts a tritonserver that died after 1 s, then 2, 4, ... up to 30 s;
-# a server that ran this long before it died starts the count again.
-RESTART_BACKOFF_S = (1.0, 30.0)
-RESTART_RESET_AFTER_S = 60.0
-# On SIGINT / SIGTERM the launcher lets the requests in flight run for the exit timeout
-# less this margin (less half of it, for a timeout under twice the margin), cuts the rest,
-# and only then stops tritonserver: the margin is for the cut requests to stop at their
-# next window and the models to unload, so that the whole stop fits in the exit timeout.
-STOP_MARGIN_S = 10.0
-TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's own default for --exit-timeout-secs
 # A KServe gRPC stream's response has an error message and no status. For a stream whose
 # client asks for statuses (the header `triton_grpc_error: true`, whose handling in
 # Triton 2.51 itself crashed the server), the front door sets this request parameter (a
@@ -47,7 +28,6 @@ TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's own default for --exit-timeout-se
 # door ends the stream with that status and the message without it.
 STATUS_IN_MESSAGE_PARAMETER = "auk_status_in_error_message"
 STATUS_NAMES = ("INVALID_ARGUMENT", "CANCELLED", "UNAVAILABLE", "INTERNAL")
-DEFAULT_DEVICE = "auto"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
 # The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),
 # or tf32 (fp32 storage, TF32 convolutions). A CPU decodes in fp32 either way.
@@ -153,7 +133,7 @@ class DecodeSettings:
     """The decode models' config parameters; the field defaults are the documented defaults."""
 
     checkpoint: str = ""
-    compile_shapes: tuple[int, ...] = DEFAULT_COMPILE_SHAPES
+    compile_shapes: tuple[int, ...] | None = None  # None: the codec's buckets (buckets())
     tile_frames: int | None = None  # None: the largest compile shape; 0: no tiling
     first_tile_frames: int | None = None  # None: the smallest compile shape; 0: off
     max_graphs: int = 32
@@ -204,12 +184,21 @@ class DecodeSettings:
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
 
+    def buckets(self) -> tuple[int, ...]:
+        """The compiled buckets: `compile_shapes`, else the codec's own default. The codec is
+        imported here, not at the top: the front door reads these settings without torch."""
+        if self.compile_shapes is not None:
+            return self.compile_shapes
+        from auk_triton.codec import DEFAULT_COMPILE_SHAPES
+
+        return DEFAULT_COMPILE_SHAPES
+
     def first_window_frames(self) -> int | None:
         """The first decode window of a long clip: `first_tile_frames`, else the smallest
         compile shape (one small replay before the first audio); 0 turns it off."""
         if self.first_tile_frames is not None:
             return self.first_tile_frames or None
-        return min(self.compile_shapes, default=None)
+        return min(self.buckets(), default=None)
 
 
 @dataclass(frozen=True)
@@ -301,29 +290,6 @@ def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
     environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir) / "triton"))
 
 
-def exit_timeout_seconds(server_args) -> float:
-    """The --exit-timeout-secs among tritonserver's arguments (the last one), else Triton's default."""
-    found = TRITON_EXIT_TIMEOUT_S
-    args = list(server_args)
-    for index, arg in enumerate(args):
-        value = None
-        if arg.startswith("--exit-timeout-secs="):
-            value = arg.split("=", 1)[1]
-        elif arg == "--exit-timeout-secs" and index + 1 < len(args):
-            value = args[index + 1]
-        if value is not None:
-            try:
-                found = float(int(value))
-            except ValueError:
-                raise ValueError(f"--exit-timeout-secs is {value!r}; it must be a whole number of seconds") from None
-    return found
-
-
-def stop_drain_seconds(exit_timeout_s: float) -> float:
-    """How long a stop lets requests in flight run before it cuts them (STOP_MARGIN_S)."""
-    return exit_timeout_s - min(exit_timeout_s / 2, STOP_MARGIN_S)
-
-
 # ---- AUK_* environment variables ------------------------------------------------------------
 
 
@@ -336,73 +302,3 @@ def environment_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
 def synthetic_preset(environ: Mapping[str, str] = os.environ) -> str:
     """AUK_PRESET: the synthetic preset served when no checkpoint is configured."""
     return environ.get("AUK_PRESET", "").strip() or DEFAULT_PRESET
-
-
-def port(environ: Mapping[str, str], kind: str) -> int:
-    """AUK_<KIND>_PORT (kind: http, grpc, metrics), else its default."""
-    name = f"AUK_{kind.upper()}_PORT"
-    value = environ.get(name, "").strip()
-    if not value:
-        return DEFAULT_PORTS[kind]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_PORTS[kind]}") from None
-
-
-def address(environ: Mapping[str, str] = os.environ) -> str:
-    """AUK_ADDRESS: where the public HTTP, gRPC and metrics ports listen."""
-    return environ.get("AUK_ADDRESS", "").strip() or DEFAULT_ADDRESS
-
-
-def internal_port(environ: Mapping[str, str], kind: str) -> int:
-    """AUK_INTERNAL_<KIND>_PORT (kind: http, grpc): tritonserver's own port on loopback,
-    behind the front door."""
-    name = f"AUK_INTERNAL_{kind.upper()}_PORT"
-    value = environ.get(name, "").strip()
-    if not value:
-        return DEFAULT_INTERNAL_PORTS[kind]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_INTERNAL_PORTS[kind]}") from None
-
-
-def restarts_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """AUK_RESTART: on (default), the launcher restarts a tritonserver that died; off, it
-    exits with the server's status (a container's restart policy takes over)."""
-    value = (environ.get("AUK_RESTART", "").strip() or "on").lower()
-    if value not in _TRUE | _FALSE:
-        raise ValueError(f"AUK_RESTART is {value!r}; use on or off")
-    return value in _TRUE
-
-
-def tritonserver_override(environ: Mapping[str, str] = os.environ) -> str:
-    """AUK_TRITONSERVER: a tritonserver binary to run with its own backends (the NGC
-    image's); empty: the nvidia-pytriton wheel's."""
-    return environ.get("AUK_TRITONSERVER", "").strip()
-
-
-def device_choice(environ: Mapping[str, str] = os.environ) -> str:
-    """AUK_DEVICE: cpu, gpu or auto (gpu when torch sees CUDA)."""
-    device = (environ.get("AUK_DEVICE", "").strip() or DEFAULT_DEVICE).lower()
-    if device not in ("cpu", "gpu", "auto"):
-        raise ValueError(f"AUK_DEVICE is {device!r}; use cpu, gpu or auto")
-    return device
-
-
-def models_to_load(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """AUK_MODELS: comma-separated model names; empty (or "all") loads every model."""
-    models = [name.strip() for name in environ.get("AUK_MODELS", "").split(",") if name.strip()]
-    return [] if models == ["all"] else models
-
-
-def model_repository(environ: Mapping[str, str], project_root: Path) -> Path:
-    """AUK_MODEL_REPOSITORY, else `model_repository` in the project root or the current directory."""
-    configured = environ.get("AUK_MODEL_REPOSITORY", "").strip()
-    if configured:
-        return Path(configured).absolute()
-    for candidate in (project_root / "model_repository", Path.cwd() / "model_repository"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("no model_repository found; set AUK_MODEL_REPOSITORY")

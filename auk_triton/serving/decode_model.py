@@ -169,7 +169,7 @@ class TritonPythonModel:
             enabled=settings.enable_cuda_graphs,
             frame_alignment=settings.frame_alignment,
             max_graphs=settings.max_graphs,
-            compile_shapes=settings.compile_shapes,
+            compile_shapes=settings.buckets(),
             tile_frames=settings.tile_frames,
             first_tile_frames=settings.first_window_frames(),
             batch_sizes=settings.batch_sizes,

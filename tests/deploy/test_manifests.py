@@ -32,7 +32,8 @@ import yaml
 
 from auk_triton.codec import DEFAULT_COMPILE_SHAPES
 from auk_triton.codec.vae import DEFAULT_INIT_KWARGS
-from auk_triton.serving import config, launcher
+from auk_triton.front_door import launcher, settings
+from auk_triton.serving import config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S = REPO_ROOT / "deploy" / "kubernetes"
@@ -57,7 +58,7 @@ COREDNS_TTL_S = 5  # the kubernetes plugin's default
 # max_batch_size requests at once; the decoders and the encoder are counted for one request,
 # as deploy/README.md says).
 SHM_HEADROOM = 2  # the allocator's fragmentation and the region's growth steps
-LAUNCHER = ["python3", "-m", "auk_triton.serving.launcher"]
+LAUNCHER = ["python3", "-m", "auk_triton.front_door.launcher"]
 
 
 # ---- loading and rendering ------------------------------------------------------------------
@@ -302,11 +303,11 @@ class Dockerfile:
 
 
 def test_ports_agree_with_the_launcher_and_the_image(deployed):
-    defaults = dict(config.DEFAULT_PORTS)  # what the launcher serves on without AUK_*_PORT
+    defaults = dict(settings.DEFAULT_PORTS)  # what the launcher serves on without AUK_*_PORT
     assert deployed.ports(deployed.container) == defaults
     assert Dockerfile().expose() == set(defaults.values())
     for kind, number in defaults.items():  # the launcher's public ports: the front door's, and metrics
-        assert config.port(deployed.launcher_env(), kind) == number
+        assert settings.port(deployed.launcher_env(), kind) == number
     headless = one(s for s in deployed.services_selecting(deployed.triton["spec"]["template"]["metadata"]["labels"]))
     assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["spec"]["ports"]} == {
         kind: (number, kind) for kind, number in defaults.items()
@@ -324,7 +325,7 @@ def test_probes_use_triton_health_endpoints_on_the_http_port(deployed):
     for probe_name, path in expected.items():
         probe = container[probe_name]
         assert probe["httpGet"]["path"] == path, probe_name
-        assert http_port(deployed, probe) == config.DEFAULT_PORTS["http"], probe_name
+        assert http_port(deployed, probe) == settings.DEFAULT_PORTS["http"], probe_name
 
 
 def measured_ready_seconds() -> list[float]:
@@ -351,9 +352,9 @@ def test_the_container_runs_the_launcher_with_its_front_door_and_leaves_restarts
     assert deployed.args()[: len(LAUNCHER)] == LAUNCHER
     assert all(a.startswith("--") for a in deployed.args()[len(LAUNCHER) :]), "the rest go to tritonserver"
     # A dead tritonserver ends the container: the liveness probe and the restart policy take over.
-    assert config.restarts_enabled(deployed.launcher_env()) is False
-    assert config.restarts_enabled(Dockerfile().env()) is True
-    assert config.tritonserver_override(deployed.launcher_env()) == "/opt/tritonserver/bin/tritonserver"
+    assert settings.restarts_enabled(deployed.launcher_env()) is False
+    assert settings.restarts_enabled(Dockerfile().env()) is True
+    assert settings.tritonserver_override(deployed.launcher_env()) == "/opt/tritonserver/bin/tritonserver"
     # The front door's packages, pinned in the image as in requirements.txt (extras aside).
     pins = lambda text: dict(re.findall(r"\b(aiohttp|tritonclient)(?:\[[^\]]*\])?==([\w.]+)", text))
     in_image = pins(" ".join(Dockerfile().all("RUN")))
@@ -363,8 +364,8 @@ def test_the_container_runs_the_launcher_with_its_front_door_and_leaves_restarts
 
 def test_the_model_repository_is_the_one_in_the_image(deployed):
     in_image = Dockerfile().copy_destination("model_repository")
-    assert config.model_repository(deployed.launcher_env(), REPO_ROOT) == Path(in_image)
-    assert config.model_repository({}, REPO_ROOT) == MODEL_REPOSITORY  # what `make serve` serves
+    assert settings.model_repository(deployed.launcher_env(), REPO_ROOT) == Path(in_image)
+    assert settings.model_repository({}, REPO_ROOT) == MODEL_REPOSITORY  # what `make serve` serves
 
 
 def python_models() -> list[Path]:
@@ -393,7 +394,7 @@ def test_the_pod_gets_a_gpu(deployed):
 
 
 def test_loaded_models_exist_in_the_repository(deployed):
-    loaded = config.models_to_load(deployed.launcher_env())
+    loaded = settings.models_to_load(deployed.launcher_env())
     assert not any(a.startswith(("--load-model", "--model-control-mode")) for a in deployed.args()), "use AUK_MODELS"
     for model in loaded:
         assert (MODEL_REPOSITORY / model / "config.pbtxt").is_file(), f"--load-model={model}: no such model"
@@ -401,8 +402,8 @@ def test_loaded_models_exist_in_the_repository(deployed):
 
 def test_the_codec_only_overlay_loads_the_two_decoders_and_nothing_else():
     overlay = Deployed(K8S / "overlays" / "codec-only")
-    assert sorted(config.models_to_load(overlay.launcher_env())) == ["auk_vae_decode", "auk_vae_decode_offline"]
-    assert config.models_to_load(Deployed(BASE).launcher_env()) == []
+    assert sorted(settings.models_to_load(overlay.launcher_env())) == ["auk_vae_decode", "auk_vae_decode_offline"]
+    assert settings.models_to_load(Deployed(BASE).launcher_env()) == []
     assert overlay.args() == Deployed(BASE).args()
 
 
@@ -463,7 +464,7 @@ def shm_bytes_per_gpu() -> dict[str, int]:
 
 
 def test_the_shared_memory_pool_holds_the_offline_model_s_ten_minute_request_from_the_start():
-    assert config.SHM_DEFAULT_BYTES >= shm_bytes_per_gpu()["auk_vae_decode_offline"]
+    assert settings.SHM_DEFAULT_BYTES >= shm_bytes_per_gpu()["auk_vae_decode_offline"]
 
 
 def test_dev_shm_holds_a_ten_minute_request_per_model_instance(deployed):
@@ -477,7 +478,7 @@ def test_dev_shm_holds_a_ten_minute_request_per_model_instance(deployed):
     assert volume["emptyDir"]["medium"] == "Memory"
     size = quantity_bytes(volume["emptyDir"]["sizeLimit"])
     # Each instance's pool is resident from the start (SHM_DEFAULT_BYTES) and may grow to twice its need.
-    needed = gpus(deployed) * sum(max(config.SHM_DEFAULT_BYTES, SHM_HEADROOM * need) for need in shm_bytes_per_gpu().values())
+    needed = gpus(deployed) * sum(max(settings.SHM_DEFAULT_BYTES, SHM_HEADROOM * need) for need in shm_bytes_per_gpu().values())
     assert size >= needed, f"/dev/shm of {size / 1e6:.0f} MB for {needed / 1e6:.0f} MB"
 
 
@@ -552,7 +553,7 @@ def test_envoy_listens_where_its_service_points_with_no_stream_time_limit(deploy
     front = one(deployed.services_selecting(deployed.envoy["spec"]["template"]["metadata"]["labels"]))
     assert front["metadata"]["name"] == TRITON_DEPLOYMENT
     assert {p["name"]: (p["port"], p["targetPort"]) for p in front["spec"]["ports"]} == {
-        kind: (config.DEFAULT_PORTS[kind], kind) for kind in ("http", "grpc")
+        kind: (settings.DEFAULT_PORTS[kind], kind) for kind in ("http", "grpc")
     }
     triton_labels = deployed.triton["spec"]["template"]["metadata"]["labels"]
     assert not front["spec"]["selector"].items() <= triton_labels.items(), "the client Service must not reach Triton directly"
@@ -578,7 +579,7 @@ def test_prometheus_scrapes_the_metrics_port(deployed):
     annotations = deployed.triton["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == deployed.ports(deployed.container)["metrics"]
-    assert int(annotations["prometheus.io/port"]) == config.DEFAULT_PORTS["metrics"]
+    assert int(annotations["prometheus.io/port"]) == settings.DEFAULT_PORTS["metrics"]
     assert annotations["prometheus.io/path"] == "/metrics"
 
 

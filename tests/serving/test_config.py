@@ -35,7 +35,7 @@ def shipped_config(model: str) -> dict:
 def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     settings = DecodeSettings.from_model_config(shipped_config(model), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
     assert settings.checkpoint == ""
-    assert settings.compile_shapes == (32, 128, 256, 512)
+    assert settings.buckets() == (32, 128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
     assert settings.first_window_frames() == 32, "a long clip starts with the smallest bucket"
     assert settings.fused_activation is True and settings.channels_last is True
@@ -159,7 +159,7 @@ def test_the_first_window_is_the_smallest_bucket_unless_configured(shapes, first
 
 def test_a_config_that_leaves_every_parameter_out_gets_the_documented_defaults(tmp_path):
     decode = DecodeSettings.from_model_config({"parameters": {}}, tmp_path, environ={})
-    assert decode.compile_shapes == DEFAULT_COMPILE_SHAPES == (32, 128, 256, 512)
+    assert decode.buckets() == DEFAULT_COMPILE_SHAPES == (32, 128, 256, 512)
     assert decode.first_window_frames() == 32 and decode.tile_frames is None
     assert (decode.max_graphs, decode.max_frames, decode.fused_activation, decode.channels_last) == (32, 30000, True, True)
     assert (decode.max_active_requests, decode.max_queued_requests) == (128, 64)

@@ -377,7 +377,7 @@ def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_pa
     import os
     import subprocess
 
-    from auk_triton.serving.launcher import TritonNotFound, server_command
+    from auk_triton.front_door.launcher import TritonNotFound, server_command
     from auk_triton.diffusion.synthetic import PRESETS
 
     repository = tmp_path / "model_repository"

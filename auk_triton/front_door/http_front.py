@@ -1,37 +1,21 @@
-"""The front door: the public HTTP and gRPC ports, in front of a tritonserver on loopback.
+"""The public HTTP port: an aiohttp server in front of tritonserver's HTTP port.
 
-Triton 2.51 trusts what a request declares. Its HTTP frontend sizes a buffer from a
-JSON input's declared shape before it reads the data (a shape of [2000000000, 64]
-aborts the server with std::bad_alloc), and its gRPC frontend takes messages of up to
-2 GB and copies them before any model sees them. Nothing in 2.51 bounds either, so
-each request passes through here first:
+Triton 2.51's HTTP frontend sizes a buffer from a JSON input's declared shape before it
+reads the data (a shape of [2000000000, 64] aborts the server with std::bad_alloc), so
+every request is checked here first (request_limits.py):
 
-- gRPC (grpc_splice.py): each client connection is spliced to one of the front's own to
-  tritonserver. A message longer than the largest legitimate request is refused from its
-  length prefix (RESOURCE_EXHAUSTED) before a byte of it goes on; every ModelInfer and
-  ModelStreamInfer message's head (the inputs' names, datatypes and shapes, before the
-  tensor bytes) is held and checked against its model's limits, and the message's length
-  against the model's own; a good one goes on as the bytes it came as.
-- HTTP: a body longer than its model takes is refused (413) from Content-Length, or
-  while it is read. An /infer request's declared shapes are checked against the
-  model's limits and against the data it sends (JSON values, or the binary part's
-  sizes), and generate / generate_stream inputs by their counts (400). An /infer request
-  is then answered over gRPC (http_infer.py): Triton 2.51's HTTP server never sees a
-  client that closes its connection (triton-inference-server/server#7077), while a gRPC
-  call the front cancels stops at the model's next window. A request gRPC would take
-  differently is forwarded unchanged over HTTP, as are generate and the other routes.
+- A body longer than its model takes is refused (413) from Content-Length, or while it
+  is read.
+- An /infer request's declared shapes are checked against the model's limits and against
+  the data it sends (JSON values, or the binary part's sizes), and generate /
+  generate_stream inputs by their counts (400).
+- An /infer request is then answered over gRPC (http_infer.py): Triton 2.51's HTTP server
+  never sees a client that closes its connection (triton-inference-server/server#7077),
+  while a gRPC call the front cancels stops at the model's next window. A request gRPC
+  would take differently is forwarded unchanged over HTTP, as are generate and the other
+  routes (health, metadata, shared memory, statistics).
 
-The limits come from the model repository's configs, read once (request_limits.py).
-Everything else (health, metadata, shared memory,
-statistics) passes through. While tritonserver is down, health answers 503 and other
-requests 503 / UNAVAILABLE.
-
-A stop (`FrontDoor.quiesce`, which the launcher runs on SIGINT / SIGTERM before it
-signals tritonserver) refuses new requests (503 / UNAVAILABLE), half-closes every gRPC
-stream upstream so that Triton ends it once its requests are done, lets what is in flight
-finish for the drain, cancels the rest upstream and closes the front's own connections to
-tritonserver: Triton 2.51 waits out its exit timeout for an open stream and for any open
-HTTP connection.
+While tritonserver is down, health answers 503 and other requests 503.
 """
 
 from __future__ import annotations
@@ -39,46 +23,28 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
-from dataclasses import dataclass
 from typing import Mapping
 
-from . import http_infer
-from .grpc_splice import GrpcSplice
-from .request_limits import (
-    CONTROL_BODY_BYTES, ModelLimits, Refused, _model, check_http_generate, check_http_infer, max_body_bytes,
-    max_message_bytes,
-)
-from .upstream import CUT_MESSAGE, STOPPING_MESSAGE, UpstreamState
+from tritonclient.grpc import service_pb2
 
-GRPC_SERVICE = "/inference.GRPCInferenceService/"
+from . import http_infer
+from .grpc_front import GRPC_SERVICE, GrpcUpstream
+from .request_limits import CONTROL_BODY_BYTES, ModelLimits, Refused, _model, check_http_generate, check_http_infer, max_body_bytes
+from .upstream import STOPPING_MESSAGE, UpstreamState
+
 HOP_HEADERS = {"host", "content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "upgrade"}
-# After the drain, how long the cut requests get to end here before the front closes its
-# connections to tritonserver (a cancelled call ends at once on this side).
-CUT_SETTLE_S = 1.0
-# The upstream is on loopback: reconnect within a second of a restart, not after gRPC's
-# default back-off (up to two minutes). While tritonserver runs, calls upstream wait for the
-# channel to connect (wait_for_ready): a channel that failed while the server was down
-# would otherwise fail them at once until its next attempt.
-UPSTREAM_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 def _log(text: str) -> None:
-    print(f"auk_triton.serving.front_door: {text}", file=sys.stderr, flush=True)
+    print(f"auk_triton.front_door: {text}", file=sys.stderr, flush=True)
 
-
-
-# ---- the HTTP front -------------------------------------------------------------------------
 
 
 class HttpFront:
     """aiohttp handlers: check, then answer /infer over gRPC (`grpc_upstream`'s channel) and
     forward the rest to tritonserver's HTTP port."""
 
-    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: UpstreamState, grpc_upstream: "GrpcUpstream"):
+    def __init__(self, limits: Mapping[str, ModelLimits], upstream: str, state: UpstreamState, grpc_upstream: GrpcUpstream):
         self.limits, self.upstream, self.state, self.grpc_upstream = limits, upstream, state, grpc_upstream
         self.session = None
 
@@ -152,7 +118,7 @@ class HttpFront:
         try:
             tail = body[int(header_length):] if header_length is not None else b""
             upstream, plan = http_infer.grpc_request(
-                model.name, request.match_info.get("version", ""), header, tail, self.grpc_upstream.pb
+                model.name, request.match_info.get("version", ""), header, tail, service_pb2
             )
         except http_infer.Untranslatable as why:
             # Triton's HTTP endpoint answers it itself, in its own words; such a request is
@@ -166,11 +132,12 @@ class HttpFront:
         the handler) or when a stop cuts it; answered as Triton's HTTP endpoint would."""
         from aiohttp import web
 
-        grpc = self.grpc_upstream.grpc
-        call = self.grpc_upstream.call(GRPC_SERVICE + "ModelInfer")(upstream.SerializeToString(), wait_for_ready=self.state.running)
+        import grpc
+
+        call = self.grpc_upstream.unary(GRPC_SERVICE + "ModelInfer")(upstream.SerializeToString(), wait_for_ready=self.state.running)
         flight = self.state.take_off(call.cancel)
         try:
-            reply = self.grpc_upstream.pb.ModelInferResponse.FromString(await call)
+            reply = service_pb2.ModelInferResponse.FromString(await call)
         except asyncio.CancelledError:
             if not flight.cut:
                 raise  # the client went away
@@ -274,89 +241,3 @@ def _json(body: bytes):
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise Refused(f"the request body is not valid JSON: {err}") from None
-
-
-# ---- tritonserver's gRPC port, for /infer ----------------------------------------------------
-
-
-class GrpcUpstream:
-    """A grpc.aio channel to tritonserver's gRPC port: the HTTP front answers /infer through it."""
-
-    def __init__(self, upstream: str):
-        import grpc
-        from tritonclient.grpc import service_pb2
-
-        self.grpc, self.pb = grpc, service_pb2
-        # Responses (a 10-minute float32 waveform is 57.6 MB) are not limited here.
-        self.channel = grpc.aio.insecure_channel(
-            upstream,
-            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-                     *UPSTREAM_RECONNECT_OPTIONS],
-        )
-        self.calls: dict[str, object] = {}
-
-    def call(self, method: str):
-        if method not in self.calls:
-            self.calls[method] = self.channel.unary_unary(method)
-        return self.calls[method]
-
-
-# ---- the whole front ------------------------------------------------------------------------
-
-
-@dataclass
-class FrontDoor:
-    limits: Mapping[str, ModelLimits]
-    address: str
-    ports: Mapping[str, int]  # public: http, grpc
-    upstream_ports: Mapping[str, int]  # tritonserver's, on loopback
-    state: UpstreamState
-
-    async def start(self) -> None:
-        from aiohttp import web
-
-        self.grpc_upstream = GrpcUpstream(f"127.0.0.1:{self.upstream_ports['grpc']}")
-        self.http = HttpFront(self.limits, f"http://127.0.0.1:{self.upstream_ports['http']}", self.state, self.grpc_upstream)
-        # handler_cancellation: a client that closes its connection cancels its handler, and so
-        # the handler's call upstream.
-        self.runner = web.AppRunner(self.http.app(), access_log=None, handler_cancellation=True)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.address, self.ports["http"]).start()
-        self.grpc = GrpcSplice(self.limits, self.upstream_ports["grpc"], self.state)
-        await self.grpc.start(self.address, self.ports["grpc"])
-        _log(
-            f"HTTP on {self.address}:{self.ports['http']}, gRPC on {self.address}:{self.ports['grpc']} -> tritonserver "
-            f"on 127.0.0.1:{self.upstream_ports['http']}/{self.upstream_ports['grpc']}; gRPC messages up to "
-            f"{max_message_bytes(self.limits)} bytes, HTTP bodies up to {max_body_bytes(self.limits)}"
-        )
-
-    async def quiesce(self, drain_s: float) -> None:
-        """The front's part of a stop: refuse new requests, half-close the gRPC streams, let
-        what is in flight finish for up to `drain_s`, cut the rest, and close the front's
-        connections to tritonserver. Then tritonserver has nothing to wait for."""
-        state = self.state
-        state.stopping, state.running, state.why = True, False, "stopping"
-        began, in_flight = time.monotonic(), len(state.flights)
-        for flight in list(state.flights):
-            if flight.half_close is not None:
-                flight.half_close()
-        await state.landed(drain_s)
-        cut = list(state.flights)
-        for flight in cut:
-            flight.cut = CUT_MESSAGE.format(drain=drain_s)
-            flight.cancel()
-        await state.landed(CUT_SETTLE_S)
-        _log(
-            f"stopping: {in_flight} requests in flight at the signal; after {time.monotonic() - began:.1f} s "
-            f"{len(cut)} cut (drain {drain_s:g} s), {len(state.flights)} still open"
-        )
-        # Triton 2.51 waits out its exit timeout while any HTTP connection to it is open (the
-        # session's kept-alive ones too) and, at its end, for any open gRPC stream.
-        await self.http.session.close()
-        await self.grpc_upstream.channel.close()
-        self.grpc.close_upstream()
-
-    async def stop(self) -> None:
-        await self.grpc.stop()
-        await self.grpc_upstream.channel.close()
-        await self.runner.cleanup()

@@ -12,7 +12,7 @@ The stub embeds the Python it was built for and finds its packages the way
 environment's) goes first on PATH: `import torch` and `import auk_triton`
 inside the model then resolve to this environment.
 
-    python -m auk_triton.serving.launcher [extra tritonserver arguments]
+    python -m auk_triton.front_door.launcher [extra tritonserver arguments]
 
 It reads the AUK_* variables through `config` (ports, model repository, cache
 folder, device, models to load; the README lists them with their defaults).
@@ -28,7 +28,7 @@ AUK_RESTART=off exits instead), and the front answers not-ready meanwhile.
 
 On SIGINT or SIGTERM the front door stops first (`FrontDoor.quiesce`): it refuses new
 requests, half-closes every gRPC stream so that Triton ends it once its requests are done,
-lets the requests in flight run for the drain (`config.stop_drain_seconds`: the exit
+lets the requests in flight run for the drain (`settings.stop_drain_seconds`: the exit
 timeout less a margin), cuts the rest (their clients get UNAVAILABLE / 503, the models stop
 them at their next window) and closes its own connections to tritonserver. Only then does
 the signal go on to tritonserver, which finds nothing to wait for, unloads the models and
@@ -38,14 +38,19 @@ exits; the launcher exits with its status. A second signal goes on at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
+import resource
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from . import config
+from auk_triton.serving import config
+
+from . import settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG_NAME = "gpu"
@@ -103,22 +108,37 @@ def build_backend_directory(cache_root: Path) -> Path:
     return root
 
 
-def _wants_gpu(device: str) -> bool:
-    if device != "auto":
-        return device == "gpu"
-    import torch
+# Whether the CUDA driver sees a device, asked in a child process: the launcher (the front
+# door's process) never loads torch or the driver itself.
+_CUDA_PROBE = """
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+count = ctypes.c_int(0)
+sys.exit(0 if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0 else 1)
+"""
 
-    return torch.cuda.is_available()
+
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    """What torch.cuda.is_available() would say, without torch: the driver and a device."""
+    return subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True).returncode == 0
+
+
+def _wants_gpu(device: str) -> bool:
+    return device == "gpu" if device != "auto" else cuda_available()
 
 
 def served_repository(model_repository: Path | None, env: dict[str, str]) -> Path:
     """The model repository served: `model_repository`, else AUK_MODEL_REPOSITORY or the project's."""
-    return Path(model_repository).absolute() if model_repository else config.model_repository(env, PROJECT_ROOT)
+    return Path(model_repository).absolute() if model_repository else settings.model_repository(env, PROJECT_ROOT)
 
 
 def served_config_name(env: dict[str, str]) -> str | None:
     """The models' config served: `configs/gpu.pbtxt` on a GPU, else None (config.pbtxt)."""
-    return GPU_CONFIG_NAME if _wants_gpu(config.device_choice(env)) else None
+    return GPU_CONFIG_NAME if _wants_gpu(settings.device_choice(env)) else None
 
 
 def server_command(
@@ -136,15 +156,18 @@ def server_command(
     """
     env = dict(os.environ if env is None else env)
     ports = dict(ports or {})
-    for kind in config.DEFAULT_PORTS:
+    for kind in settings.DEFAULT_PORTS:
         if kind not in ports:
-            ports[kind] = config.port(env, kind)
+            ports[kind] = settings.port(env, kind)
     repository = served_repository(model_repository, env)
     env["AUK_CACHE_DIR"] = str(config.environment_cache_dir(env))  # the models resolve it alike
     # A relative AUK_CHECKPOINT means the directory the server is started from, for every model.
     if env.get("AUK_CHECKPOINT", "").strip():
         env["AUK_CHECKPOINT"] = os.path.abspath(env["AUK_CHECKPOINT"].strip())
-    override = config.tritonserver_override(env)
+    gpu = served_config_name(env) == GPU_CONFIG_NAME
+    if not gpu and not env.get("AUK_PRESET", "").strip():
+        env["AUK_PRESET"] = settings.CPU_PRESET
+    override = settings.tritonserver_override(env)
     argv = [override or str(tritonserver_executable()), f"--model-repository={repository}"]
     if not override:  # a server of its own (the NGC image's) brings its backends
         argv.append(f"--backend-directory={build_backend_directory(Path(env['AUK_CACHE_DIR']))}")
@@ -153,16 +176,16 @@ def server_command(
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
         # The Python backend's pool per model instance, for the largest legitimate tensors.
-        f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}",
-        f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}",
+        f"--backend-config=python,shm-default-byte-size={settings.SHM_DEFAULT_BYTES}",
+        f"--backend-config=python,shm-growth-byte-size={settings.SHM_GROWTH_BYTES}",
         # Every config here is complete. With auto-completion on, the Python backend starts a
         # stub per model only to ask it for its config, and that stub imports torch and the model.
         "--disable-auto-complete-config",
     ]
-    if served_config_name(env):
-        argv.append(f"--model-config-name={served_config_name(env)}")
+    if gpu:
+        argv.append(f"--model-config-name={GPU_CONFIG_NAME}")
     # AUK_MODELS picks the models to load; an ensemble brings up its steps itself.
-    models = config.models_to_load(env)
+    models = settings.models_to_load(env)
     if models:
         argv.append("--model-control-mode=explicit")
         argv.extend(f"--load-model={name}" for name in models)
@@ -193,7 +216,7 @@ def reap(server_pid: int) -> None:
 
 def restart_delay(failures: int) -> float:
     """The back-off before restart number `failures` in a row (1, 2, 4, ... up to the cap)."""
-    first, cap = config.RESTART_BACKOFF_S
+    first, cap = settings.RESTART_BACKOFF_S
     return min(cap, first * 2 ** (failures - 1))
 
 
@@ -251,7 +274,7 @@ class Supervisor:
             if not self.restart:
                 _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; AUK_RESTART is off: exiting")
                 return status if status > 0 else 1
-            failures = 1 if ran >= config.RESTART_RESET_AFTER_S else failures + 1
+            failures = 1 if ran >= settings.RESTART_RESET_AFTER_S else failures + 1
             delay = restart_delay(failures)
             self.state.why += f"; restarting in {delay:g} s"
             _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; restarting it in {delay:g} s (not ready until then)")
@@ -263,16 +286,16 @@ class Supervisor:
 
 
 def _say(text: str) -> None:
-    print(f"auk_triton.serving.launcher: {text}", flush=True)
+    print(f"auk_triton.front_door.launcher: {text}", flush=True)
 
 
 def front_door_setup(env: dict[str, str], extra: list[str]):
     """(tritonserver argv and env behind the front, the front door) from AUK_* variables."""
-    from . import front_door, request_limits
+    from . import app, request_limits, upstream
 
-    address = config.address(env)
-    public = {kind: config.port(env, kind) for kind in config.DEFAULT_PORTS}
-    internal = {kind: config.internal_port(env, kind) for kind in config.DEFAULT_INTERNAL_PORTS}
+    address = settings.address(env)
+    public = {kind: settings.port(env, kind) for kind in settings.DEFAULT_PORTS}
+    internal = {kind: settings.internal_port(env, kind) for kind in settings.DEFAULT_INTERNAL_PORTS}
     command, server_env = server_command(
         ports={"http": internal["http"], "grpc": internal["grpc"], "metrics": public["metrics"]},
         extra_args=[
@@ -287,8 +310,23 @@ def front_door_setup(env: dict[str, str], extra: list[str]):
         env=env,
     )
     limits = request_limits.repository_limits(served_repository(None, env), served_config_name(env))
-    front = front_door.FrontDoor(limits, address, public, internal, front_door.UpstreamState())
+    front = app.FrontDoor(limits, address, public, internal, upstream.UpstreamState(), settings.grpc_bounds(env))
     return command, server_env, front
+
+
+def describe_choice(command: list[str], env: dict[str, str], server_env: dict[str, str]) -> str:
+    """What the launcher chose to serve, and how to ask for the rest."""
+    gpu = f"--model-config-name={GPU_CONFIG_NAME}" in command
+    device = "a GPU (configs/gpu.pbtxt)" if gpu else "the CPU (config.pbtxt)"
+    models = settings.models_to_load(env)
+    which = ", ".join(models) if models else "every model in the repository"
+    if env.get("AUK_CHECKPOINT", "").strip():
+        weights = f"the checkpoint {server_env['AUK_CHECKPOINT']}"
+    else:
+        preset = server_env.get("AUK_PRESET") or config.DEFAULT_PRESET
+        weights = f"SYNTHETIC weights of the '{preset}' preset (not real audio; AUK_CHECKPOINT serves a checkpoint"
+        weights += ", AUK_PRESET=auk the released geometry)" if preset != "auk" else ")"
+    return f"serving {which} on {device} with {weights}; AUK_MODELS picks models, AUK_DEVICE the device"
 
 
 async def serve(command: list[str], env: dict[str, str], front, restart: bool, drain_s: float) -> int:
@@ -305,14 +343,26 @@ async def serve(command: list[str], env: dict[str, str], front, restart: bool, d
         await front.stop()
 
 
+def raise_file_limit(wanted: int) -> None:
+    """Let this process hold `wanted` open files (the front door's connections), up to the
+    hard limit: a soft limit of 1024 is common, and past it new connections fail."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: list[str] | None = None) -> None:
     extra = list(sys.argv[1:] if argv is None else argv)
     try:
         command, env, front = front_door_setup(dict(os.environ), extra)
-        restart = config.restarts_enabled(os.environ)
-        drain_s = config.stop_drain_seconds(config.exit_timeout_seconds(extra))
+        restart = settings.restarts_enabled(os.environ)
+        drain_s = settings.stop_drain_seconds(settings.exit_timeout_seconds(extra))
     except (TritonNotFound, FileNotFoundError, ValueError) as err:
-        sys.exit(f"auk_triton.serving.launcher: {err}")
+        sys.exit(f"auk_triton.front_door.launcher: {err}")
+    # Each gRPC connection, and each HTTP one with its connection upstream, holds descriptors.
+    raise_file_limit(2 * front.grpc_bounds.max_connections + 1024)
+    _say(describe_choice(command, dict(os.environ), env))
     _say(" ".join(command))
     sys.exit(asyncio.run(serve(command, env, front, restart, drain_s)))
 

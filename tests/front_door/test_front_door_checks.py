@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from auk_triton.serving import config, grpc_splice, launcher, request_limits
-from auk_triton.serving.request_limits import Refused
+from auk_triton.front_door import grpc_front, launcher, request_limits, settings
+from auk_triton.serving import config
+from auk_triton.front_door.request_limits import Refused
 from auk_triton.serving.requests import RequestError, dit_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def test_auk_dit_itself_refuses_more_prompt_tokens_than_max_prompt_tokens():
 
 
 def test_restarts_back_off_doubling_up_to_the_cap_and_exits_are_described():
-    first, cap = config.RESTART_BACKOFF_S
+    first, cap = settings.RESTART_BACKOFF_S
     assert [launcher.restart_delay(n) for n in (1, 2, 3)] == [first, 2 * first, 4 * first]
     assert launcher.restart_delay(50) == cap
     assert launcher.describe_exit(-signal.SIGKILL) == "was killed by signal 9 (SIGKILL)"
@@ -130,19 +131,19 @@ def test_restarts_back_off_doubling_up_to_the_cap_and_exits_are_described():
 
 
 def test_a_stop_drains_for_the_exit_timeout_less_its_margin_which_is_at_most_half_of_it():
-    assert config.exit_timeout_seconds([]) == config.TRITON_EXIT_TIMEOUT_S
-    assert config.exit_timeout_seconds(["--exit-timeout-secs=5", "--log-verbose=1", "--exit-timeout-secs", "60"]) == 60
+    assert settings.exit_timeout_seconds([]) == settings.TRITON_EXIT_TIMEOUT_S
+    assert settings.exit_timeout_seconds(["--exit-timeout-secs=5", "--log-verbose=1", "--exit-timeout-secs", "60"]) == 60
     with pytest.raises(ValueError, match="--exit-timeout-secs is 'soon'"):
-        config.exit_timeout_seconds(["--exit-timeout-secs=soon"])
-    assert config.stop_drain_seconds(60) == 60 - config.STOP_MARGIN_S
-    assert config.stop_drain_seconds(10) == 5
-    assert all(0 <= config.stop_drain_seconds(t) < t for t in (1, 5, 10, 20, 30, 60, 600))
+        settings.exit_timeout_seconds(["--exit-timeout-secs=soon"])
+    assert settings.stop_drain_seconds(60) == 60 - settings.STOP_MARGIN_S
+    assert settings.stop_drain_seconds(10) == 5
+    assert all(0 <= settings.stop_drain_seconds(t) < t for t in (1, 5, 10, 20, 30, 60, 600))
 
 
 def test_json_data_of_a_type_triton_reads_otherwise_is_left_to_triton_s_http_endpoint():
     from tritonclient.grpc import service_pb2
 
-    from auk_triton.serving import http_infer
+    from auk_triton.front_door import http_infer
 
     assert http_infer.json_tensor_bytes("INT16", [[1, -2], [70000, 3]]) == np.array([1, -2, 70000 - 65536, 3], np.int16).tobytes()
     assert http_infer.json_tensor_bytes("BYTES", ["ab", ""]) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"
@@ -160,7 +161,7 @@ def test_json_data_of_a_type_triton_reads_otherwise_is_left_to_triton_s_http_end
 
 
 def test_the_answer_s_encoding_is_the_one_triton_picks_from_accept_encoding():
-    from auk_triton.serving.http_infer import response_encoding
+    from auk_triton.front_door.http_infer import response_encoding
 
     assert response_encoding(None) == response_encoding("br") == "identity"
     assert response_encoding("gzip, deflate") == "gzip"  # the first of equals
@@ -169,7 +170,7 @@ def test_the_answer_s_encoding_is_the_one_triton_picks_from_accept_encoding():
 
 
 def test_a_stream_error_s_status_is_read_from_its_message_and_taken_out_of_it():
-    status_of = grpc_splice.status_of
+    status_of = grpc_front.status_of
     assert status_of("[INVALID_ARGUMENT] LATENTS holds 1 NaN") == ("INVALID_ARGUMENT", "LATENTS holds 1 NaN")
     assert status_of("in ensemble 'auk_pipeline', [INTERNAL] generation failed: x") == (
         "INTERNAL", "in ensemble 'auk_pipeline', generation failed: x")

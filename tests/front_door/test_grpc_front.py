@@ -1,9 +1,10 @@
-"""The gRPC port's splice (auk_triton/serving/grpc_splice.py), through the session's front-door
-server (CPU, small synthetic weights, max_frames FRONT_MAX_FRAMES): what it holds back
-reaches no model, and what it passes on, however the client frames it, decodes exactly.
+"""The front door's gRPC port (auk_triton/front_door/grpc_front.py), through the session's
+front-door server (CPU, small synthetic weights, max_frames FRONT_MAX_FRAMES): what it
+refuses reaches no model, and what it passes on, however the client frames it, decodes
+exactly.
 
-The raw client below speaks HTTP/2 itself, so a test can split and pad frames anywhere:
-no gRPC library sends a message one byte a frame."""
+The raw client below drives an HTTP/2 connection with h2, so a test can split
+frames anywhere: no gRPC library sends a message one byte a frame."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import pytest
 
 from triton_harness import FRONT_MAX_FRAMES, DecodeStream, library_tiles
 
-hpack = pytest.importorskip("hpack")
+h2_connection = pytest.importorskip("h2.connection")
+h2_config = pytest.importorskip("h2.config")
+h2_events = pytest.importorskip("h2.events")
 grpc = pytest.importorskip("grpc")
 from tritonclient.grpc import service_pb2  # noqa: E402
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 4, 6, 7, 8
 OFFLINE, STREAMING = "auk_vae_decode_offline", "auk_vae_decode"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -40,73 +41,61 @@ def infer_request(model: str, shape, data: np.ndarray, request_id: str = "") -> 
 
 
 def message(payload: bytes) -> bytes:
+    """A gRPC length-prefixed message (uncompressed)."""
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+def messages_of(data: bytes) -> list[bytes]:
+    found = []
+    while data:
+        length = int.from_bytes(data[1:5], "big")
+        found.append(data[5:5 + length])
+        data = data[5 + length:]
+    return found
 
 
 class RawCall:
-    """One gRPC call over a plain socket: HEADERS, then the request bytes in DATA frames of
-    `piece` bytes (every third one padded), then the responses and trailers as they come,
-    each DATA frame's window given back as it is read."""
+    """One gRPC call on an h2 client connection: the request bytes go in DATA frames of
+    `piece` bytes; the responses and trailers are read as they come. (No padding: grpc-core
+    resets a stream that pads its DATA frames, PROTOCOL_ERROR, as Triton's own port does.)"""
 
     def __init__(self, url: str):
         host, port = url.rsplit(":", 1)
         self.socket = socket.create_connection((host, int(port)), timeout=120)
-        self.socket.sendall(PREFACE + frame(SETTINGS, 0, 0))
-        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
-        self.buffer = b""
+        self.h2 = h2_connection.H2Connection(h2_config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.h2.initiate_connection()
+        self.socket.sendall(self.h2.data_to_send())
 
     def call(self, path: str, body: bytes, piece: int) -> tuple[list[bytes], dict]:
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "test"),
-                   ("content-type", "application/grpc"), ("te", "trailers")]
-        out = [frame(HEADERS, 0x4, 1, self.encoder.encode(headers))]
+        stream = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                      (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers")])
         pieces = [body[at:at + piece] for at in range(0, len(body), piece)]
-        for index, part in enumerate(pieces):
-            end = 0x1 if index == len(pieces) - 1 else 0
-            if index % 3 == 2:  # PADDED: a pad length, the data, then that many zeros
-                out.append(frame(DATA, end | 0x8, 1, b"\x02" + part + b"\x00\x00"))
-            else:
-                out.append(frame(DATA, end, 1, part))
-        self.socket.sendall(b"".join(out))
         data, trailers = b"", None
+        for index, part in enumerate(pieces):
+            while self.h2.local_flow_control_window(stream) < len(part):
+                data, trailers = self._receive(stream, data)
+            self.h2.send_data(stream, part, end_stream=index == len(pieces) - 1)
+            self.socket.sendall(self.h2.data_to_send())
         while trailers is None:
-            kind, flags, stream, payload = self._frame()
-            if kind == SETTINGS and not flags & 0x1:
-                self.socket.sendall(frame(SETTINGS, 0x1, 0))
-            elif kind == PING and not flags & 0x1:
-                self.socket.sendall(frame(PING, 0x1, 0, payload))
-            elif kind == HEADERS and stream == 1:
-                block = dict((k.decode(), v.decode()) for k, v in self.decoder.decode(payload, raw=True))
-                if flags & 0x1:
-                    trailers = block
-            elif kind == DATA and stream == 1:
-                data += payload[1:len(payload) - payload[0]] if flags & 0x8 else payload
-                if payload:  # read: the window it took is the server's again
-                    credit = len(payload).to_bytes(4, "big")
-                    self.socket.sendall(frame(WINDOW_UPDATE, 0, 0, credit) + frame(WINDOW_UPDATE, 0, 1, credit))
-            elif kind == GOAWAY:
-                raise AssertionError(f"GOAWAY: {payload!r}")
-        messages = []
-        while data:
-            length = int.from_bytes(data[1:5], "big")
-            messages.append(data[5:5 + length])
-            data = data[5 + length:]
-        return messages, trailers
+            data, trailers = self._receive(stream, data)
+        return messages_of(data), trailers
 
-    def _frame(self):
-        while True:
-            if len(self.buffer) >= 9:
-                length = int.from_bytes(self.buffer[:3], "big")
-                if len(self.buffer) >= 9 + length:
-                    head, self.buffer = self.buffer[:9 + length], self.buffer[9 + length:]
-                    return head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF, head[9:]
-            received = self.socket.recv(1 << 16)
-            if not received:
-                raise AssertionError("the front door closed the connection")
-            self.buffer += received
+    def _receive(self, stream: int, data: bytes) -> tuple[bytes, dict | None]:
+        received = self.socket.recv(1 << 16)
+        if not received:
+            raise AssertionError("the front door closed the connection")
+        trailers = None
+        for event in self.h2.receive_data(received):
+            if isinstance(event, h2_events.DataReceived) and event.stream_id == stream:
+                data += event.data
+                self.h2.acknowledge_received_data(event.flow_controlled_length, stream)
+            elif isinstance(event, h2_events.TrailersReceived) and event.stream_id == stream:
+                trailers = dict(event.headers)
+            elif isinstance(event, h2_events.StreamReset) and event.stream_id == stream:
+                raise AssertionError(f"the stream was reset: {event.error_code!r}")
+        self.socket.sendall(self.h2.data_to_send())
+        return data, trailers
 
     def close(self) -> None:
         self.socket.close()
@@ -152,7 +141,7 @@ def test_a_shape_whose_byte_size_wraps_to_the_data_sent_is_refused_and_the_model
     raw = RawCall(front_door.grpc_url)
     try:
         messages, trailers = raw.call(STREAM_INFER, message(bad) + message(
-            infer_request(STREAMING, [40, 64], clip, "good").SerializeToString()), piece=1 << 20)
+            infer_request(STREAMING, [40, 64], clip, "good").SerializeToString()), piece=16000)
     finally:
         raw.close()
     responses = [service_pb2.ModelStreamInferResponse.FromString(m) for m in messages]
@@ -162,19 +151,20 @@ def test_a_shape_whose_byte_size_wraps_to_the_data_sent_is_refused_and_the_model
     assert front_door.tritonserver_pid() == pid and front_door.is_ready()
 
 
-def test_a_field_after_the_tensor_bytes_ends_the_call_before_the_model_sees_it(front_door):
-    """An input added after raw_input_contents would reach the model unchecked."""
+def test_an_input_added_after_the_tensor_bytes_is_checked_like_the_others(front_door):
+    """Protobuf merges a field written after raw_input_contents into the request: the whole
+    message is parsed before it goes on, so that input is checked too."""
     good = infer_request(OFFLINE, [3, 64], latents(3))
     late = service_pb2.ModelInferRequest()
     late.inputs.add(name="LATENTS", datatype="FP32", shape=[WRAPPING_ROWS, 64])
     error = unary_error(front_door.grpc_url, good.SerializeToString() + late.SerializeToString())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "field 5 after its tensor bytes" in error.details()
+    assert f"declares shape [{WRAPPING_ROWS}, 64]" in error.details()
 
 
-def test_a_compressed_inference_request_is_refused_with_what_to_do_instead(front_door):
-    """The splice reads a request's inputs as they pass, which it cannot do compressed. (Zeros:
-    grpc-core sends a message it cannot shrink uncompressed.)"""
+def test_a_gzip_compressed_request_is_checked_and_decoded_as_the_same_request_uncompressed(front_door):
+    """grpc-core decompresses a message before the front door checks it (and bounds it by its
+    decompressed length too), so compression changes nothing but the bytes on the wire."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -182,19 +172,32 @@ def test_a_compressed_inference_request_is_refused_with_what_to_do_instead(front
     try:
         tensor = grpcclient.InferInput("LATENTS", [30, 64], "FP32")
         tensor.set_data_from_numpy(np.zeros((30, 64), np.float32))
-        with pytest.raises(InferenceServerException, match="send it uncompressed"):
-            client.infer(OFFLINE, [tensor], compression_algorithm="gzip")
+        plain = client.infer(OFFLINE, [tensor]).as_numpy("WAVEFORM")
+        compressed = client.infer(OFFLINE, [tensor], compression_algorithm="gzip").as_numpy("WAVEFORM")
+        np.testing.assert_array_equal(compressed, plain)
+        too_long = grpcclient.InferInput("LATENTS", [FRONT_MAX_FRAMES + 1, 64], "FP32")
+        too_long.set_data_from_numpy(np.zeros((FRONT_MAX_FRAMES + 1, 64), np.float32))
+        with pytest.raises(InferenceServerException, match=rf"declares shape \[{FRONT_MAX_FRAMES + 1}, 64\]"):
+            client.infer(OFFLINE, [too_long], compression_algorithm="gzip")
     finally:
         client.close()
 
 
+def test_a_request_of_the_wrong_rank_is_told_the_shape_the_model_takes(front_door):
+    error = unary_error(front_door.grpc_url, infer_request(OFFLINE, [1, 20, 64], latents(20)).SerializeToString())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        f"input 'LATENTS' of model '{OFFLINE}' declares shape [1, 20, 64], 3 dimensions; "
+        f"it takes 2: [n, 64] with n at most {FRONT_MAX_FRAMES} (max_frames)"
+    )
+
+
 @pytest.mark.parametrize("piece", [1, 7, 1000])
-def test_a_stream_sent_in_small_padded_frames_gets_the_refusal_and_the_decode_that_tritonclient_gets(
+def test_a_stream_sent_in_small_frames_gets_the_refusal_and_the_decode_that_tritonclient_gets(
         front_door, piece):
-    """A refused request first (the splice answers it, before the server has said anything on
-    the stream), then a good one: sent a byte, 7 bytes or 1000 bytes a frame, every third
-    frame padded, the answers equal those of a stream from tritonclient. (Padded frames go
-    on unpadded: straight to tritonserver, a padded DATA frame resets the stream.)"""
+    """A refused request first (the front door answers it, before the server has said anything
+    on the stream), then a good one: sent a byte, 7 bytes or 1000 bytes a frame, the answers
+    equal those of a stream from tritonclient."""
     clip = latents(30, seed=piece)
     refused = infer_request(STREAMING, [FRONT_MAX_FRAMES + 1, 64], latents(3), "too long").SerializeToString()
     good = infer_request(STREAMING, [30, 64], clip, "good").SerializeToString()

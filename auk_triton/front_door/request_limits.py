@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from . import config
+from auk_triton.serving import config
 
 # Triton's datatypes and their sizes in bytes; BYTES (strings) has none.
 DATATYPE_BYTES = {
@@ -49,6 +49,7 @@ class InputLimit:
     datatype: str  # Triton's name: FP32, INT64, ...
     bounds: tuple[int | None, ...]  # the most each dimension takes; None: unbounded
     source: str  # what sets the variable bound, for messages ("max_frames")
+    config_dims: tuple[int, ...] = ()  # the dims as served, -1 where variable (messages only)
 
     def max_elements(self) -> int | None:
         return None if None in self.bounds else math.prod(self.bounds)
@@ -64,15 +65,28 @@ class InputLimit:
             raise Refused(f"inference input '{self.name}' data-type is '{datatype}', but model '{model}' expects '{self.datatype}'")
         if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
             raise Refused(f"input '{self.name}' of model '{model}' declares shape {shape!r}: a list of integers is needed")
-        if len(shape) != len(self.bounds) or any(d < 0 for d in shape) or any(
-            bound is not None and d > bound for d, bound in zip(shape, self.bounds)
-        ):
+        if len(shape) != len(self.bounds):
+            raise Refused(
+                f"input '{self.name}' of model '{model}' declares shape {list(shape)}, {len(shape)} dimensions; "
+                f"it takes {len(self.bounds)}: {self.expected_shape()}"
+            )
+        if any(d < 0 for d in shape) or any(bound is not None and d > bound for d, bound in zip(shape, self.bounds)):
             most = [("-1" if b is None else str(b)) for b in self.bounds]
             raise Refused(
                 f"input '{self.name}' of model '{model}' declares shape {list(shape)}; "
                 f"this model takes at most [{', '.join(most)}] ({self.source})"
             )
         return math.prod(shape)
+
+    def expected_shape(self) -> str:
+        """The shape this input takes, in words: "[n, 64] with n at most 30000 (max_frames)"."""
+        variable = [i for i, d in enumerate(self.config_dims) if d < 0]
+        dims = ["n" if i in variable else str(b) for i, b in enumerate(self.bounds)]
+        most = [self.bounds[i] for i in variable]
+        if not most:
+            return f"[{', '.join(dims)}]"
+        limit = "unbounded" if most[0] is None else f"at most {most[0]}"
+        return f"[{', '.join(dims)}] with n {limit} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -116,12 +130,15 @@ def model_limits(model_config: Mapping, step_limits: Mapping[str, ModelLimits] |
         source = "its config's dims" if all(d >= 0 for d in dims) else _row_source(tensor["name"])
         inherited = _step_input(model_config, tensor["name"], step_limits or {})
         if inherited is not None:
-            bounds, source = list(inherited.bounds), inherited.source
+            bounds, source, dims = list(inherited.bounds), inherited.source, list(inherited.config_dims)
         if batching:
             # A request carries one clip: the model batches requests itself, and refuses a
             # batch axis other than 1 (requests.one_row).
             bounds.insert(0, 1)
-        inputs[tensor["name"]] = InputLimit(tensor["name"], _datatype(tensor["data_type"]), tuple(bounds), source)
+            dims.insert(0, 1)
+        inputs[tensor["name"]] = InputLimit(
+            tensor["name"], _datatype(tensor["data_type"]), tuple(bounds), source, tuple(dims)
+        )
     return ModelLimits(name, inputs, batching)
 
 
@@ -138,7 +155,7 @@ def _step_input(model_config: Mapping, name: str, step_limits: Mapping[str, Mode
             if tensor == name and step_model is not None and step_input in step_model.inputs:
                 limit = step_model.inputs[step_input]
                 if step_model.batching:  # the ensemble adds the step's batch axis itself
-                    limit = InputLimit(limit.name, limit.datatype, limit.bounds[1:], limit.source)
+                    limit = InputLimit(limit.name, limit.datatype, limit.bounds[1:], limit.source, limit.config_dims[1:])
                 return limit
     return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on_path(tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     try:
         argv, env = server.server_command(
             REPO_ROOT / "model_repository",
@@ -33,7 +34,7 @@ def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on
 
 
 def test_a_port_that_is_not_a_number_fails_naming_its_variable(tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     with pytest.raises(ValueError, match="AUK_GRPC_PORT is '80o1'; it must be a port number"):
         server.server_command(
             REPO_ROOT / "model_repository",
@@ -42,7 +43,7 @@ def test_a_port_that_is_not_a_number_fails_naming_its_variable(tmp_path):
 
 
 def test_the_launcher_hands_the_models_a_relative_auk_checkpoint_as_an_absolute_path(tmp_path, monkeypatch):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     monkeypatch.chdir(tmp_path)
     try:
         _, env = server.server_command(
@@ -63,7 +64,7 @@ def test_the_launcher_hands_the_models_a_relative_auk_checkpoint_as_an_absolute_
     ],
 )
 def test_auk_models_chooses_which_models_the_server_loads(chosen, loads, tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     try:
         argv, _ = server.server_command(
             REPO_ROOT / "model_repository",
@@ -80,7 +81,7 @@ def test_auk_models_chooses_which_models_the_server_loads(chosen, loads, tmp_pat
 
 def cpu_server_argv(tmp_path) -> list[str]:
     """tritonserver's argv for the project's repository on the CPU configs (skips without tritonserver)."""
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     try:
         argv, _ = server.server_command(REPO_ROOT / "model_repository", env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"})
     except server.TritonNotFound as err:
@@ -89,36 +90,71 @@ def cpu_server_argv(tmp_path) -> list[str]:
 
 
 def test_the_python_backend_s_shared_memory_pool_is_sized_for_the_largest_legitimate_tensor(tmp_path):
+    from auk_triton.front_door import settings
     from auk_triton.serving import config
 
     argv = cpu_server_argv(tmp_path)
     offline_10_minutes = config.DEFAULT_MAX_FRAMES * 64 * 4 + config.DEFAULT_MAX_FRAMES * 480 * 4  # latents + float32 waveform
-    assert config.SHM_DEFAULT_BYTES >= offline_10_minutes
-    assert f"--backend-config=python,shm-default-byte-size={config.SHM_DEFAULT_BYTES}" in argv
-    assert f"--backend-config=python,shm-growth-byte-size={config.SHM_GROWTH_BYTES}" in argv
+    assert settings.SHM_DEFAULT_BYTES >= offline_10_minutes
+    assert f"--backend-config=python,shm-default-byte-size={settings.SHM_DEFAULT_BYTES}" in argv
+    assert f"--backend-config=python,shm-growth-byte-size={settings.SHM_GROWTH_BYTES}" in argv
 
 
 def test_tritonserver_takes_the_model_configs_as_written_without_a_stub_to_complete_them(tmp_path):
     assert "--disable-auto-complete-config" in cpu_server_argv(tmp_path)
 
 
-def test_behind_the_front_door_tritonserver_listens_on_loopback_and_the_front_on_the_public_ports(tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+@pytest.mark.parametrize("address", [None, "0.0.0.0"])
+def test_behind_the_front_door_tritonserver_listens_on_loopback_and_the_front_on_loopback_unless_asked(
+        tmp_path, address):
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     env = {"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu", "AUK_HTTP_PORT": "9100",
            "AUK_INTERNAL_GRPC_PORT": "9111", "AUK_MODEL_REPOSITORY": str(REPO_ROOT / "model_repository")}
+    if address:
+        env["AUK_ADDRESS"] = address
+    public = address or "127.0.0.1"
     try:
         argv, _, front = server.front_door_setup(env, ["--exit-timeout-secs=60"])
     except server.TritonNotFound as err:
         pytest.skip(f"tritonserver is not available: {err}")
-    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=0.0.0.0"} <= set(argv)
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", f"--metrics-address={public}"} <= set(argv)
     assert {"--http-port=18000", "--grpc-port=9111", "--metrics-port=8002"} <= set(argv)
     assert argv[-1] == "--exit-timeout-secs=60"
-    assert (front.address, dict(front.ports)) == ("0.0.0.0", {"http": 9100, "grpc": 8001, "metrics": 8002})
+    assert (front.address, dict(front.ports)) == (public, {"http": 9100, "grpc": 8001, "metrics": 8002})
     assert front.limits["auk_vae_decode"].inputs["LATENTS"].bounds == (30000, 64)
 
 
+def test_a_cpu_with_nothing_set_serves_the_small_preset_and_says_how_to_ask_for_the_released_one(tmp_path):
+    server = pytest.importorskip("auk_triton.front_door.launcher")
+    env = {"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu"}
+    try:
+        argv, server_env = server.server_command(REPO_ROOT / "model_repository", env=env)
+        chosen = server.describe_choice(argv, env, server_env)
+        _, asked_env = server.server_command(REPO_ROOT / "model_repository", env=dict(env, AUK_PRESET="auk"))
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    assert server_env["AUK_PRESET"] == "small" and asked_env["AUK_PRESET"] == "auk"
+    assert "SYNTHETIC weights of the 'small' preset" in chosen and "AUK_PRESET=auk" in chosen
+    assert "on the CPU" in chosen and "every model in the repository" in chosen
+
+
+def test_the_front_door_s_process_imports_no_torch_and_starts_in_under_a_second():
+    """The launcher and both fronts import without torch (or the codec), so the front door
+    is up long before the models."""
+    script = (
+        "import sys, time; began = time.perf_counter()\n"
+        "import auk_triton.front_door.launcher, auk_triton.front_door.app\n"
+        "print(time.perf_counter() - began, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')"
+        " or m.startswith(('auk_triton.codec', 'auk_triton.diffusion'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    seconds, modules = done.stdout.split(" ", 1)
+    assert modules.strip() == "[]", modules
+    assert float(seconds) < 1.0, seconds
+
+
 def test_a_tritonserver_of_its_own_runs_with_its_own_backends(tmp_path):
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     argv, _ = server.server_command(
         REPO_ROOT / "model_repository",
         env={"PATH": "/usr/bin", "AUK_CACHE_DIR": str(tmp_path), "AUK_DEVICE": "cpu",
@@ -144,7 +180,7 @@ def test_what_a_dead_tritonserver_left_in_its_process_group_is_killed():
     import subprocess
     import time
 
-    server = pytest.importorskip("auk_triton.serving.launcher")
+    server = pytest.importorskip("auk_triton.front_door.launcher")
     leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     child = int(leader.stdout.readline())

@@ -24,7 +24,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from auk_triton.serving import config
+from auk_triton.front_door import settings
 from triton_harness import DecodeStream, copy_model_repository, start_front_door, start_triton
 
 CYCLES = 10
@@ -108,7 +108,7 @@ def assert_new_requests_are_refused_as_the_server_stops(server) -> None:
 
 def test_stops_through_the_launcher_under_a_live_stream_each_exit_cleanly_within_the_exit_timeout(tmp_path, small_checkpoint):
     repository = copy_model_repository(tmp_path / "model_repository", models=("auk_vae_decode",))
-    drain = config.stop_drain_seconds(EXIT_TIMEOUT_S)
+    drain = settings.stop_drain_seconds(EXIT_TIMEOUT_S)
     for cycle in range(LAUNCHER_CYCLES):
         kind = ("read to its end", "held open after its last response", "outlasting the exit timeout")[cycle % 3]
         frames = LONG_FRAMES if kind == "outlasting the exit timeout" else 200
