@@ -294,3 +294,11 @@ def test_padding_reaches_the_attention_as_a_boolean_key_mask(small_model):
     assert ctx.joint_keys[0, 0, 0].tolist() == [True] * 8 + [False] * 2 + [True] * 4  # [audio | text]
     assert ctx.single_keys[1, 0, 0].tolist() == [True] * 4 + [True] * 8 + [False] * 2  # [text | audio]
     assert small_model.prepare(text, 7).joint_keys is None  # nothing padded, no mask
+
+
+def test_the_synthetic_transformer_built_in_memory_holds_the_checkpoints_weights(checkpoint):
+    from auk_triton.diffusion.synthetic import synthetic_transformer
+
+    built, loaded = synthetic_transformer("small", seed=0).state_dict(), load_transformer(checkpoint).state_dict()
+    assert built.keys() == loaded.keys()
+    assert all(torch.equal(built[name], loaded[name]) for name in loaded)
