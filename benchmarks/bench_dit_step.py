@@ -1,0 +1,173 @@
+"""One DiT velocity step, replayed as a CUDA graph: the eager step against the compiled one.
+
+The released dims (1.53 B parameters) with seeded synthetic weights built in
+memory (nothing written to disk), bf16 weights under bf16 autocast as served,
+`--frames` target frames and `--tokens` text tokens, no reference, batches of
+`--batches` unguided rows. The context is masked as a bucketed run's is (a
+target mask, boolean key masks) unless `--unmasked`. Three steps on the same
+inputs, each captured as a CUDA graph and timed by its replays:
+
+- `eager, per-step modulation`: the step computing its AdaLN modulation from its
+  time (61 linears per step), as before the modulation table;
+- `eager, table`: the step reading its modulation from the run's table;
+- `compiled, table`: the same through the compiled blocks (compiled.py,
+  `--static` for a compilation per shape instead of dynamic shapes).
+
+Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
+work by torch's FlopCounterMode over that time), the relative L2 of its velocity
+against the eager bf16 step's, and what building it took (compile and capture;
+a compiled step's first shape pays the compilation, later shapes what Dynamo
+recompiles for them).
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
+
+On a CPU (`--small`) nothing is graphed: each step is timed as it runs, and the
+compiled step uses Dynamo's `eager` backend (tracing without code generation;
+Inductor on a CPU takes minutes), so its figures check the script, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from auk_triton.cuda_graph import capture
+from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
+from common import heading, median_ms, rel_l2, say
+
+PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+
+def step_inputs(model, batch: int, frames: int, tokens: int, masked: bool, device, dtype):
+    """Seeded x [batch, frames, C], the context of `batch` unguided rows, and a grid time (CPU)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, frames, model.latent_dim, generator=g).to(device)
+    text = torch.randn(batch, tokens, model.text_hidden_dim, generator=g).to(device, dtype)
+    masks = {}
+    if masked:  # as a run that fills its bucket: masks present, every position valid
+        masks = dict(c_mask=torch.ones(batch, tokens, dtype=torch.bool, device=device),
+                     mask=torch.ones(batch, frames, dtype=torch.bool, device=device))
+    t = torch.tensor(FLASH_T_GRID[1])
+    with autocast(device, dtype):
+        ctx = model.prepare(text, frames, **masks)
+        table = model.modulation_table(torch.tensor(FLASH_T_GRID[:-1]))
+    return x, ctx, t, table
+
+
+def step_functions(model, x, ctx, t, table, blocks, device, dtype):
+    """The three steps, each a function of static buffers (what a graph captures)."""
+    x = x.clone()
+    t_device = t.to(device)
+    mod = table.lookup(t).clone()
+
+    def per_step():
+        with autocast(device, dtype):
+            return model.step(x, t_device, ctx)  # ctx has no table: the modulation is computed
+
+    def eager():
+        with autocast(device, dtype):
+            return model.velocity(x, mod, ctx)
+
+    def compiled():
+        with autocast(device, dtype):
+            return model.velocity(x, mod, ctx, blocks)
+
+    return dict(zip(PATHS, (per_step, eager, compiled)))
+
+
+def step_flops(fn) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
+    """(ms per step, seconds to build, velocity): a CUDA graph's replays on a GPU, calls on a CPU.
+
+    Building is the first call (a compiled step compiles then) and, on a GPU, the capture."""
+    began = time.perf_counter()
+    out = fn()
+    if device.type != "cuda":
+        built = time.perf_counter() - began
+        times = []
+        for _ in range(iters):
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+        return statistics.median(times), built, out
+    torch.cuda.synchronize()
+    graph, out = capture(fn, warmups=1)
+    torch.cuda.synchronize()
+    built = time.perf_counter() - began
+    return median_ms(graph.replay, iters=iters), built, out.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="the tiny preset on the CPU: a smoke test")
+    parser.add_argument("--preset", default=None, help="synthetic DiT preset (default: auk, or small with --small)")
+    parser.add_argument("--device", default=None, help="default: cuda, or cpu with --small")
+    parser.add_argument("--frames", type=int, default=None, help="target frames (default 500; 24 with --small)")
+    parser.add_argument("--tokens", type=int, default=None, help="text tokens (default 64; 8 with --small)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--iters", type=int, default=None, help="replays timed per step (default 50; 3 on a CPU)")
+    parser.add_argument("--static", action="store_true", help="compile per shape instead of dynamic shapes")
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; eager on a CPU)")
+    parser.add_argument("--unmasked", action="store_true", help="a context without masks (an unpadded batch)")
+    args = parser.parse_args()
+    preset = args.preset or ("small" if args.small else "auk")
+    device = torch.device(args.device or ("cpu" if args.small else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --small for the CPU smoke test)")
+    frames = args.frames or (24 if args.small else 500)
+    tokens = args.tokens or (8 if args.small else 64)
+    iters = args.iters or (50 if device.type == "cuda" else 3)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
+
+    began = time.perf_counter()
+    model = synthetic_transformer(preset, seed=0, device=device, dtype=dtype)
+    say(heading(f"DiT step, {preset} (synthetic), {frames} frames + {tokens} tokens, {dtype}", device.type,
+                f", compile {backend} {'static' if args.static else 'dynamic'}")
+        + f" (model built in {time.perf_counter() - began:.0f} s)")
+    blocks = compiled_blocks(CompileOptions(dynamic=not args.static, backend=backend))
+
+    rows = []
+    with torch.inference_mode():
+        for batch in args.batches:
+            x, ctx, t, table = step_inputs(model, batch, frames, tokens, not args.unmasked, device, dtype)
+            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype)
+            # The compiled step does the eager step's work; the per-step modulation adds its linears.
+            work = step_flops(fns[PATHS[1]])
+            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work}
+            say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
+                f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
+            results = {name: measure(fn, device, iters) for name, fn in fns.items()}
+            reference = results[PATHS[1]][2].float()
+            for name, (ms, built, out) in results.items():
+                rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
+                say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
+
+    say()
+    say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    for batch, name, ms, tflops, rel, built in rows:
+        say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
