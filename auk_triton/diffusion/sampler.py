@@ -182,12 +182,14 @@ def euler_integrate(
 
     x is the fp32 accumulator. As in the reference revisions, the guidance combination
     and dt * v are formed in the velocity's dtype (bf16 under autocast) and then added
-    into fp32 x. The grid stays on the CPU: velocity() gets its times as CPU scalars
-    (a graphed step looks its modulation up by them without reading the GPU back), and
-    dt, a 0-d CPU fp32 tensor, multiplies a GPU velocity as a device one would. `cfg` is a number or per-row scales [B, 1, 1]. `mask` [B, n], when
+    into fp32 x. `cfg` is a number or per-row scales [B, 1, 1]. `mask` [B, n], when
     given, marks a batch's valid frames: the padded ones stay zero. `should_stop`, when
     given, is asked before every step but the first; once it answers True,
     SamplingStopped names the step.
+
+    The grid stays on the CPU: velocity() gets its times as CPU scalars (a graphed step
+    looks its modulation up by them without reading the GPU back), and dt, a 0-d CPU fp32
+    tensor, multiplies a GPU velocity exactly as a 0-d GPU tensor would.
     """
     grid = grid.to(device="cpu", dtype=torch.float32)
     guided = bool((torch.as_tensor(cfg) >= CFG_MIN).all())

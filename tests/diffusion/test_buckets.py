@@ -159,3 +159,44 @@ def test_compiled_blocks_trace_whole_and_one_compilation_serves_every_bucket():
             compiled = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == compiled, "the other shapes reused the first compilation"
     torch._dynamo.reset()
+
+
+class _StandInGraph:
+    """A CUDA graph's contract on the CPU: replay() runs the captured step again on the same
+    static buffers and writes the same output tensor."""
+
+    def __init__(self, run):
+        self.run, self.captured = run, run()
+
+    def replay(self):
+        self.captured.copy_(self.run())
+
+
+def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain, checkpoint, monkeypatch):
+    # The graph cache's bookkeeping on the CPU: warm-up contexts whose keys a run must find,
+    # smaller runs reading the front of a bucket's buffers, each run's inputs copied in.
+    from auk_triton.diffusion import step_graph
+
+    monkeypatch.setattr(step_graph, "capture", lambda run, pool, warmups: (graph := _StandInGraph(run), graph.captured))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    buckets = ShapeBuckets(text=(8, 16), frames=(16,), ref=(8,), max_tokens=4 * 2 * 40, max_requests=4)
+    sampler = load_sampler(checkpoint, buckets=buckets)
+    sampler.graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
+    sampler.warmup()
+    graphs = sampler.graphs
+    assert graphs.captures == buckets.graphs() == 4 * 2 * 4  # every bucket holds 4 requests, guided or not
+    requests = [
+        Request(_text(5, 0), 0.2, 1, num_steps=2, guidance=0.0),
+        Request(_text(12, 1), 0.3, 2, num_steps=2, guidance=2.0),
+        Request(_text(3, 2), 0.1, 3, num_steps=2, guidance=0.0, ref_latents=_ref(7, 2)),
+        Request(_text(7, 3), 0.3, 4, num_steps=2, guidance=1.5),
+    ]
+    for batch in ([requests[0]], requests[:2] * 2, [requests[2], requests[0]], [requests[3], requests[1], requests[3]]):
+        plans = [sampler.plan(r) for r in batch]
+        for run in sampler.runs(plans, max_requests=4):
+            rows = sampler.generate_batch([plans[i] for i in run])
+            for i, row in zip(run, rows):
+                assert _max_error(row, plain.generate(batch[i])) < TOLERANCE
+    assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (32, 0, 0)
+    sampler.generate(Request(_text(3, 4), 0.4, 5, num_steps=2, guidance=0.0))  # 20 frames: past the bucket
+    assert graphs.eager_runs == 1, "with max_graphs 0, a run past the buckets steps eagerly, counted"
