@@ -22,6 +22,11 @@ recompiles for them).
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
 
+The compile caches go to a fresh folder unless `--cache-dir` names one: run twice
+with the same folder for a warm start's figures. `--buckets` instead builds what
+auk_dit builds at load (its default buckets, compiled; `--variant flash` for
+unguided buckets only) and prints the time and memory that took.
+
 On a CPU (`--small`) nothing is graphed: each step is timed as it runs, and the
 compiled step uses Dynamo's `eager` backend (tracing without code generation;
 Inductor on a CPU takes minutes), so its figures check the script, nothing else.
@@ -33,15 +38,19 @@ import argparse
 import contextlib
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
-from common import heading, median_ms, rel_l2, say
+from auk_triton.serving.config import DiTSettings, use_compile_cache
+from common import compile_time_breakdown, heading, median_ms, rel_l2, say
 
 PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
 
@@ -116,6 +125,30 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
     return median_ms(graph.replay, iters=iters), built, out.clone()
 
 
+def bucket_warmup(model, variant: str, device, dtype) -> None:
+    """Build auk_dit's default buckets as its initialize does, and say what that took."""
+    settings = DiTSettings()
+    config = {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
+              "defaults": DEFAULTS}
+    sampler = AuKDiTSampler(model, config, device, dtype, max_graphs=settings.max_graphs,
+                            buckets=settings.shape_buckets(), compile=CompileOptions())
+    seconds: dict[bool, float] = {False: 0.0, True: 0.0}
+
+    def on_bucket(shape, guided, graphs, took):
+        seconds[guided] += took
+        say(f"  bucket {shape.text} tokens, {shape.frames} frames, {shape.ref} reference frames, "
+            f"{'guided' if guided else 'unguided'}: {graphs} graphs in {took:.2f} s")
+
+    began = time.perf_counter()
+    sampler.warmup(on_bucket)
+    total = time.perf_counter() - began
+    say(f"{sampler.graphs.captures} graphs of {len(sampler.buckets.shapes())} buckets ({variant}) in {total:.1f} s "
+        f"(unguided {seconds[False]:.1f} s, guided {seconds[True]:.1f} s), "
+        f"{sampler.graphs.compile_failures} compiled captures failed; "
+        f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    say(compile_time_breakdown(8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="the tiny preset on the CPU: a smoke test")
@@ -128,7 +161,11 @@ def main() -> None:
     parser.add_argument("--static", action="store_true", help="compile per shape instead of dynamic shapes")
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; eager on a CPU)")
     parser.add_argument("--unmasked", action="store_true", help="a context without masks (an unpadded batch)")
+    parser.add_argument("--cache-dir", default=None, help="Inductor's and Triton's caches (default: a fresh folder)")
+    parser.add_argument("--buckets", action="store_true", help="time auk_dit's load: every default bucket's graphs")
+    parser.add_argument("--variant", default="base", choices=("base", "flash"), help="with --buckets")
     args = parser.parse_args()
+    use_compile_cache(Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-dit-step-")))
     preset = args.preset or ("small" if args.small else "auk")
     device = torch.device(args.device or ("cpu" if args.small else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -144,6 +181,11 @@ def main() -> None:
     say(heading(f"DiT step, {preset} (synthetic), {frames} frames + {tokens} tokens, {dtype}", device.type,
                 f", compile {backend} {'static' if args.static else 'dynamic'}")
         + f" (model built in {time.perf_counter() - began:.0f} s)")
+    if args.buckets:
+        if device.type != "cuda":
+            sys.exit("--buckets captures CUDA graphs: it needs a GPU")
+        bucket_warmup(model, args.variant, device, dtype)
+        return
     blocks = compiled_blocks(CompileOptions(dynamic=not args.static, backend=backend))
 
     rows = []
@@ -167,6 +209,8 @@ def main() -> None:
     say("| --- | --- | --- | --- | --- | --- |")
     for batch, name, ms, tflops, rel, built in rows:
         say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
+    if device.type == "cuda":
+        say(compile_time_breakdown(8))
 
 
 if __name__ == "__main__":
