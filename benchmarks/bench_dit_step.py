@@ -17,7 +17,10 @@ Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
 work by torch's FlopCounterMode over that time), the relative L2 of its velocity
 against the eager bf16 step's, and what building it took (compile and capture;
 a compiled step's first shape pays the compilation, later shapes what Dynamo
-recompiles for them).
+recompiles for them). Then one request's whole flash run (4 unguided steps) and
+whole base run (32 guided steps) as auk_dit serves them on a GPU (its bucket,
+compiled and graphed) against the same runs stepped eagerly: the relative L2 of
+the latents.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
@@ -47,7 +50,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
-from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler
+from auk_triton.diffusion.buckets import ShapeBuckets
+from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
 from auk_triton.serving.config import DiTSettings, use_compile_cache
 from common import compile_time_breakdown, heading, median_ms, rel_l2, say
@@ -125,12 +129,32 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
     return median_ms(graph.replay, iters=iters), built, out.clone()
 
 
+def sampler_config(model, variant: str = "base") -> dict:
+    return {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
+            "defaults": DEFAULTS}
+
+
+def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileOptions) -> dict[str, float]:
+    """Relative L2 of one request's latents, served (its bucket compiled and graphed) against eager."""
+    config = sampler_config(model)
+    eager = AuKDiTSampler(model, config, device, dtype)
+    text = torch.randn(tokens, model.text_hidden_dim, generator=torch.Generator().manual_seed(1))
+    recipes = {"flash (4 steps)": dict(t_grid=tuple(FLASH_T_GRID), guidance=0.0),
+               "base (32 guided steps)": dict(num_steps=32, guidance=2.0, sway=-1.0)}
+    requests = {name: Request(text, frames / eager.frame_rate, 7, **knobs) for name, knobs in recipes.items()}
+    target = eager.plan(requests["flash (4 steps)"]).frames  # frames, as the duration's ceil makes them
+    bucket = ShapeBuckets((tokens,), (target,), (), max_tokens=2 * (tokens + target), max_requests=1)
+    served = AuKDiTSampler(model, config, device, dtype, buckets=bucket, compile=options)
+    served.warmup()
+    results = {name: rel_l2(served.generate(r), eager.generate(r)) for name, r in requests.items()}
+    assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
+    return results
+
+
 def bucket_warmup(model, variant: str, device, dtype) -> None:
     """Build auk_dit's default buckets as its initialize does, and say what that took."""
     settings = DiTSettings()
-    config = {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
-              "defaults": DEFAULTS}
-    sampler = AuKDiTSampler(model, config, device, dtype, max_graphs=settings.max_graphs,
+    sampler = AuKDiTSampler(model, sampler_config(model, variant), device, dtype, max_graphs=settings.max_graphs,
                             buckets=settings.shape_buckets(), compile=CompileOptions())
     seconds: dict[bool, float] = {False: 0.0, True: 0.0}
 
@@ -186,7 +210,8 @@ def main() -> None:
             sys.exit("--buckets captures CUDA graphs: it needs a GPU")
         bucket_warmup(model, args.variant, device, dtype)
         return
-    blocks = compiled_blocks(CompileOptions(dynamic=not args.static, backend=backend))
+    options = CompileOptions(dynamic=not args.static, backend=backend)
+    blocks = compiled_blocks(options)
 
     rows = []
     with torch.inference_mode():
@@ -209,8 +234,12 @@ def main() -> None:
     say("| --- | --- | --- | --- | --- | --- |")
     for batch, name, ms, tflops, rel, built in rows:
         say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
-    if device.type == "cuda":
-        say(compile_time_breakdown(8))
+    if device.type != "cuda":
+        return
+    say()
+    for name, rel in whole_runs(model, frames, tokens, device, dtype, options).items():
+        say(f"whole {name} run, served (compiled, graphed, its bucket) vs eager: relative L2 {rel:.2e} of the latents")
+    say(compile_time_breakdown(8))
 
 
 if __name__ == "__main__":
