@@ -95,7 +95,9 @@ class TritonPythonModel:
 
         self.sampler.warmup(on_bucket)
         graphs = self.sampler.graphs
-        failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs)" if graphs.compile_failures else ""
+        failures = ""
+        if graphs.compile_failures:
+            failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs serve them)"
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
             f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}")
