@@ -14,6 +14,10 @@ target and masked (the spec's padding rules), each row draws its own noise from
 its own seed, and each row gets its own result: its latents, or the exception
 that ended it alone (non-finite output, a stop).
 
+With shape buckets (buckets.py), a run's rows are padded up to its bucket
+instead, masked alike, so runs of one bucket share a CUDA graph captured at
+start (`warmup`); `runs()` groups plans by bucket too.
+
 t = 0 is pure noise and the last grid point is the clean latent; the DiT's
 velocity points from noise towards data, so each step is
 `x <- x + (t[i+1] - t[i]) * v(x, t[i])`, integrating forward in t.
@@ -25,14 +29,17 @@ import contextlib
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .buckets import RunShape, ShapeBuckets
+from .compiled import CompileOptions, compiled_blocks
 from .step_graph import DiTGraphCache
-from .transformer import AuKTransformer, CheckpointError, load_transformer, read_config
+from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, load_transformer, read_config
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +150,20 @@ def run_key(schedule: Schedule) -> tuple:
     return tuple(schedule.grid.tolist()), schedule.guided
 
 
-def sampler_runs(schedules: list[Schedule], max_rows: int) -> list[list[int]]:
+def sampler_runs(schedules: list[Schedule], max_rows: int, shapes: list | None = None,
+                 limits: list[int] | None = None) -> list[list[int]]:
     """Indices of the schedules grouped into runs: those of one `run_key`, in order, at most
-    `max_rows` a run; runs ordered by their first index (the oldest request's run goes first)."""
+    `max_rows` a run; runs ordered by their first index (the oldest request's run goes first).
+
+    With `shapes` (each plan's bucket), only plans of one bucket share a run, at most
+    `limits[i]` of them (what the bucket holds)."""
     groups: dict[tuple, list[list[int]]] = {}
     runs: list[list[int]] = []
     for index, schedule in enumerate(schedules):
-        chunks = groups.setdefault(run_key(schedule), [])
-        if not chunks or len(chunks[-1]) >= max_rows:
+        key = run_key(schedule) if shapes is None else (run_key(schedule), shapes[index])
+        limit = max_rows if limits is None else min(max_rows, limits[index])
+        chunks = groups.setdefault(key, [])
+        if not chunks or len(chunks[-1]) >= limit:
             chunks.append([])
             runs.append(chunks[-1])
         chunks[-1].append(index)
@@ -173,8 +186,12 @@ def euler_integrate(
     given, marks a batch's valid frames: the padded ones stay zero. `should_stop`, when
     given, is asked before every step but the first; once it answers True,
     SamplingStopped names the step.
+
+    The grid stays on the CPU: velocity() gets its times as CPU scalars (a graphed step
+    looks its modulation up by them without reading the GPU back), and dt, a 0-d CPU fp32
+    tensor, multiplies a GPU velocity exactly as a 0-d GPU tensor would.
     """
-    grid = grid.to(device=x.device, dtype=torch.float32)
+    grid = grid.to(device="cpu", dtype=torch.float32)
     guided = bool((torch.as_tensor(cfg) >= CFG_MIN).all())
     steps = grid.numel() - 1
     for i in range(steps):
@@ -237,15 +254,22 @@ class AuKDiTSampler:
         dtype=torch.float32,
         max_frames: int | None = None,
         max_graphs: int = 0,
+        buckets: ShapeBuckets | None = None,
+        compile: CompileOptions | None = None,
     ):
         self.model = transformer
         self.max_frames = max_frames  # a serving limit on reference + target, below MAX_LATENT_FRAMES
         self.device = torch.device(device)
         self.dtype = dtype
-        # CUDA graphs of the velocity step, per request shape (CUDA only; 0 = eager).
+        # Runs padded up to these shapes (any device); None: to their longest row.
+        self.buckets = buckets
+        # CUDA graphs of the velocity step (CUDA only): the buckets' from `warmup`, through the
+        # compiled blocks when `compile` is given, and the last `max_graphs` other shapes
+        # (0: those step eagerly). Neither: every step eager.
         self.graphs = None
-        if max_graphs and self.device.type == "cuda":
-            self.graphs = DiTGraphCache(transformer, self._autocast, max_graphs)
+        if self.device.type == "cuda" and (max_graphs or buckets is not None):
+            blocks = EAGER_BLOCKS if compile is None else compiled_blocks(compile)
+            self.graphs = DiTGraphCache(transformer, self._autocast, max_graphs, blocks)
         self.policy = SchedulePolicy(config)
         vae = config["vae"]
         self.sample_rate = int(vae.get("target_sample_rate", 24000))
@@ -321,6 +345,24 @@ class AuKDiTSampler:
         schedule = self.policy.resolve(req.num_steps, req.guidance, req.sway, req.t_grid)
         return Plan(text, ref, frames, schedule, req.seed)
 
+    def bucket(self, plan: Plan) -> RunShape | None:
+        """The bucket a plan's run is padded up to; None without buckets or past the largest."""
+        if self.buckets is None:
+            return None
+        return self.buckets.shape(plan.text.shape[0], plan.frames, 0 if plan.ref is None else plan.ref.shape[0])
+
+    def runs(self, plans: list[Plan], max_requests: int) -> list[list[int]]:
+        """Indices of the plans grouped into sampler runs, oldest request's run first: one
+        `run_key` a run, at most `max_requests` plans. With buckets, one bucket a run, as many
+        as it holds; a plan past the largest bucket runs alone."""
+        schedules = [plan.schedule for plan in plans]
+        if self.buckets is None:
+            return sampler_runs(schedules, max_requests)
+        shapes = [self.bucket(plan) for plan in plans]
+        limits = [1 if shape is None else self.buckets.requests(shape, plan.schedule.guided)
+                  for shape, plan in zip(shapes, plans)]
+        return sampler_runs(schedules, max_requests, shapes, limits)
+
     def generate(self, req: "Request | Plan", should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Normalized latents [n, C] in fp32. The same request and seed give the same latents.
 
@@ -393,14 +435,16 @@ class AuKDiTSampler:
         return results
 
     def _batch_context(self, plans: list[Plan], guided: bool):
-        """The run's DiT context, its initial noise [B, n, C] and its target mask [B, n] (None
-        when nothing is padded).
+        """The run's DiT context (with the modulation table of its grid), its initial noise
+        [B, n, C] and its target mask [B, n] (None when nothing is padded).
 
-        Every row is padded at its end to the longest prompt, reference and target, and
-        masked (key masks, squeezed rotary positions, re-zeroed conv padding): no padded
-        frame or token reaches a valid one. Unpadded rows (and a run of one) take no masks,
-        exactly as a request alone. A row without a reference among rows with one gets a
-        reference of masked frames, which no valid position sees either."""
+        Every row is padded at its end to the longest prompt, reference and target (with
+        buckets, to the run's bucket), and masked (key masks, squeezed rotary positions,
+        re-zeroed conv padding): no padded frame or token reaches a valid one. Unpadded rows
+        (and a run of one without buckets) take no masks, exactly as a request alone; a
+        bucketed run is always masked, so that every run of a bucket has one graph's
+        structure. A row without a reference among rows with one gets a reference of masked
+        frames, which no valid position sees either."""
         device, B = self.device, len(plans)
         nt = max(p.text.shape[0] for p in plans)
         n = max(p.frames for p in plans)
@@ -409,6 +453,9 @@ class AuKDiTSampler:
         padded = any(p.text.shape[0] != nt or p.frames != n for p in plans) or (
             np_ > 0 and any(r is None or r.shape[0] != np_ for r in refs)
         )
+        shape = None if self.buckets is None else self.buckets.shape(nt, n, np_)
+        if shape is not None:
+            nt, n, np_, padded = shape.text, shape.frames, shape.ref, True
         text = torch.zeros(B, nt, self.text_dim, dtype=self.dtype, device=device)
         c_mask = torch.zeros(B, nt, dtype=torch.bool, device=device)
         mask = torch.zeros(B, n, dtype=torch.bool, device=device) if padded else None
@@ -431,13 +478,43 @@ class AuKDiTSampler:
                     ref_mask[i, : plan.ref.shape[0]] = True
         with self._autocast():
             ctx = self.model.prepare(text, n, c_mask=c_mask, ref=ref, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
+            # Every step's modulation, once: the grid's last point is never a step's time.
+            ctx.modulation = self.model.modulation_table(plans[0].schedule.grid[:-1])
         return ctx, noise, mask
+
+    @torch.inference_mode()
+    def warmup(self, on_bucket: Callable[[RunShape, bool, int, float], None] | None = None) -> None:
+        """Capture the step of every bucket for each request count it holds, guided and not (a
+        flash checkpoint never guides), compiling it first when the step is compiled.
+
+        Meant for service start: afterwards a run of a bucket replays a graph, and nothing is
+        captured or compiled at request time. `on_bucket(shape, guided, graphs, seconds)` is
+        told about each bucket and guidance mode as it finishes. CUDA with buckets only."""
+        if self.graphs is None or self.buckets is None:
+            return
+        modes = (False,) if self.variant == "flash" else (False, True)
+        for shape in self.buckets.shapes():
+            for guided in modes:
+                began = time.perf_counter()
+                plan = self._placeholder_plan(shape, guided)
+                ctx, noise, _ = self._batch_context([plan] * self.buckets.requests(shape, guided), guided)
+                captured = self.graphs.warmup(ctx, noise)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if on_bucket is not None:
+                    on_bucket(shape, guided, captured, time.perf_counter() - began)
+
+    def _placeholder_plan(self, shape: RunShape, guided: bool) -> Plan:
+        """A plan that fills a bucket exactly: what warmup captures with (its values do not matter)."""
+        ref = torch.zeros(shape.ref, self.latent_dim) if shape.ref else None
+        schedule = Schedule(time_grid(1), DEFAULTS["cfg"] if guided else 0.0)
+        return Plan(torch.zeros(shape.text, self.text_dim), ref, shape.frames, schedule, seed=0)
 
 
 def load_sampler(checkpoint_dir, device="cpu", dtype=None, **kwargs) -> AuKDiTSampler:
     """The sampler for a checkpoint directory; bf16 weights on CUDA and fp32 on the CPU unless told.
 
-    kwargs go to AuKDiTSampler (max_frames, max_graphs).
+    kwargs go to AuKDiTSampler (max_frames, max_graphs, buckets, compile).
     """
     device = torch.device(device)
     if dtype is None:

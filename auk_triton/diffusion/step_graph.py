@@ -1,24 +1,34 @@
-"""CUDA-graph replay of the DiT's velocity step, one graph per run shape.
+"""CUDA-graph replay of the DiT's velocity step: bucket graphs captured at start, others on demand.
 
 One velocity call launches over a thousand small kernels (30 blocks); at the
-released dims their launch cost, not the math, sets the step time.
-A graph captured for a shape (rows, target frames, text tokens, reference frames,
-guided or not, padded or not) replays every step of every run of that shape.
+released dims their launch cost, not the math, sets the eager step's time.
+A graph captured for a shape (rows, target frames, text tokens, reference
+frames, guided or not, padded or not) replays every step of every run of that
+shape.
 
-Every step of a graphed run replays the graph, the first one included (a new
-shape is warmed up and captured before its first step), so a request's latents
-do not depend on whether its graph was already cached. The inputs the graph
-reads are static buffers: the state x, the time t, and every tensor of the
-context (text and reference embeddings, masks, attention biases, rotary tables),
-which a run of a cached shape copies in. A padded batch's masks differ from run
-to run while its shape stays, so they are inputs like the embeddings.
+Two kinds of graphs:
 
-Every row count is a shape of its own: a batch of 5 replays a 5-row graph, since
-a step's time grows about linearly with its rows past a few. All graphs
-capture into one private memory pool: they replay one at a time on one stream
-and each output is read before the next replay, so the pool holds about the
-largest graph's memory, not the sum, and a budget of one graph per batch size
-costs little.
+- Bucket graphs (`warmup`, at service start): for each bucket (buckets.py), one
+  graph per request count it holds, through the compiled blocks when the step is
+  compiled. The graphs of one bucket read the front of one set of input buffers,
+  sized for its most requests (`DiTContext.head`), so a bucket's inputs take the
+  memory of its largest run once. They are kept for the life of the cache.
+- Other shapes (past the largest bucket, or any shape without buckets): captured
+  on their first run with the eager blocks (no compilation at request time), the
+  last `max_graphs` kept, least recently used dropped first; with `max_graphs` 0
+  such a run steps eagerly. Both count as fallbacks (`request_captures`,
+  `eager_runs`): with buckets, a request that needs one is logged by the server.
+
+Every step of a graphed run replays the graph, the first one included, so a
+request's latents do not depend on whether its graph was already there. The
+inputs a graph reads are static buffers: the state x, the step's modulation (the
+row of the run's modulation table for its time, copied in before each replay),
+and every tensor of the context (text and reference embeddings, masks, rotary
+tables), which a run copies in.
+
+All graphs capture into one private memory pool: they replay one at a time on
+one stream and each output is read before the next replay, so the pool holds
+about the largest graph's memory, not the sum.
 """
 
 from __future__ import annotations
@@ -30,13 +40,13 @@ from dataclasses import fields
 import torch
 
 from ..cuda_graph import capture
-from .transformer import AuKTransformer, DiTContext
+from .transformer import EAGER_BLOCKS, AuKTransformer, BlockRunners, DiTContext
 
 log = logging.getLogger(__name__)
 
 
 def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
-    """Every tensor of a context (None fields skipped), in a fixed order."""
+    """Every tensor of a context (None fields and the modulation table skipped), in a fixed order."""
     tensors = []
     for field in fields(ctx):
         value = getattr(ctx, field.name)
@@ -49,65 +59,123 @@ def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
 
 def graph_key(ctx: DiTContext, x_shape) -> tuple:
     """The cache key of a context: equal keys have tensors of equal shapes, field by field."""
-    shapes = tuple(None if getattr(ctx, f.name) is None else f.name for f in fields(ctx))
-    return tuple(x_shape), ctx.copies, ctx.c.dtype, shapes, tuple(tuple(t.shape) for t in _static_tensors(ctx))
+    present = tuple(f.name for f in fields(ctx) if isinstance(getattr(ctx, f.name), (torch.Tensor, tuple)))
+    return tuple(x_shape), ctx.copies, ctx.c.dtype, present, tuple(tuple(t.shape) for t in _static_tensors(ctx))
 
 
 class _GraphedStep:
-    def __init__(self, model: AuKTransformer, ctx: DiTContext, x_shape, autocast, pool):
-        device = ctx.c.device
-        self.ctx = ctx  # its tensors become the graph's static inputs
-        self.x = torch.zeros(x_shape, dtype=torch.float32, device=device)
-        self.t = torch.zeros((), dtype=torch.float32, device=device)
+    """One captured velocity step and the static buffers it reads."""
+
+    def __init__(self, model: AuKTransformer, ctx: DiTContext, x: torch.Tensor, mod: torch.Tensor,
+                 autocast, pool, blocks: BlockRunners):
+        self.model, self.autocast = model, autocast
+        self.ctx, self.x, self.mod = ctx, x, mod  # the graph's inputs
+        self.table = ctx.modulation
 
         def step():
             with autocast():
-                return model.step(self.x, self.t, ctx)
+                return model.velocity(self.x, self.mod, ctx, blocks)
 
         self.graph, self.out = capture(step, pool=pool, warmups=1)
 
     def load(self, ctx: DiTContext) -> None:
         """Copy a run's own context tensors into the graph's (same shapes, by the key)."""
-        for static, own in zip(_static_tensors(self.ctx), _static_tensors(ctx)):
-            static.copy_(own)
+        if ctx is not self.ctx:
+            for static, own in zip(_static_tensors(self.ctx), _static_tensors(ctx)):
+                static.copy_(own)
+        self.table = ctx.modulation
 
-    def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The velocity, in a static buffer that the next replay overwrites: use it at once."""
+    def __call__(self, x: torch.Tensor, t) -> torch.Tensor:
+        """The velocity, in a static buffer that the next replay overwrites: use it at once.
+
+        `t` should be a time of the run's grid, as a number or a CPU tensor: its row of the
+        modulation table is copied in. Any other time is computed eagerly first."""
+        mod = None if self.table is None else self.table.lookup(t)
+        if mod is None:
+            with self.autocast():
+                mod = self.model.modulation_at(torch.as_tensor(t, device=self.x.device))
         self.x.copy_(x)
-        self.t.copy_(t)
+        self.mod.copy_(mod)
         self.graph.replay()
         return self.out
 
 
 class DiTGraphCache:
-    """Captured velocity steps for the last `max_graphs` run shapes (least recently used goes first)."""
+    """Bucket graphs captured by `warmup`, and the last `max_graphs` other run shapes."""
 
-    def __init__(self, model: AuKTransformer, autocast, max_graphs: int):
-        self.model, self.autocast, self.max_graphs = model, autocast, max_graphs
+    def __init__(self, model: AuKTransformer, autocast, max_graphs: int, blocks: BlockRunners = EAGER_BLOCKS):
+        self.model, self.autocast, self.max_graphs, self.blocks = model, autocast, max_graphs, blocks
+        self._buckets: dict[tuple, _GraphedStep] = {}
         self._graphs: OrderedDict[tuple, _GraphedStep] = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle() if max_graphs > 0 else None
-        self.captures = 0
+        self._pool = torch.cuda.graph_pool_handle()
+        self._mod: torch.Tensor | None = None  # the modulation every graph reads: one step's at a time
+        self.captures = 0  # every graph captured
+        self.request_captures = 0  # captured on a run's first step (not by warmup)
+        self.eager_runs = 0  # runs stepped eagerly: no graph for their shape
+        self.compile_failures = 0  # buckets whose compiled capture failed (a plain graph serves them)
+
+    def _modulation_buffer(self, device) -> torch.Tensor:
+        if self._mod is None:
+            with self.autocast():  # its dtype is the steps' (bf16 under autocast)
+                like = self.model.modulation_at(torch.zeros((), device=device))
+            self._mod = torch.zeros_like(like)
+        return self._mod
+
+    def warmup(self, ctx: DiTContext, x: torch.Tensor) -> int:
+        """Capture the step for 1 to B requests of this context's bucket (x [B, n, C] and ctx hold
+        B requests' rows: the largest run, whose buffers the smaller ones' graphs share).
+        Returns the graphs captured. A failed compiled capture falls back to a plain graph."""
+        captured = 0
+        mod = self._modulation_buffer(x.device)
+        for requests in range(1, x.shape[0] + 1):
+            view, x_view = ctx.head(requests * ctx.copies), x[:requests]
+            key = graph_key(view, x_view.shape)
+            if key in self._buckets:
+                continue
+            try:
+                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, self.blocks)
+            except Exception as err:
+                if self.blocks is EAGER_BLOCKS:
+                    log.warning("CUDA graph capture failed for shape %s: %s: %s", key[:3], type(err).__name__, err)
+                    continue
+                self.compile_failures += 1
+                log.warning("compiled step failed for shape %s, a plain graph serves it: %s: %s",
+                            key[:3], type(err).__name__, err)
+                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, EAGER_BLOCKS)
+            self._buckets[key] = step
+            self.captures += 1
+            captured += 1
+        return captured
 
     def velocity(self, ctx: DiTContext, x_shape):
         """A graphed velocity function for this context, or None to run eagerly."""
         key = graph_key(ctx, x_shape)
-        if self.max_graphs < 1:
-            return None
-        step = self._graphs.pop(key, None)
-        if step is None:
+        step = self._buckets.get(key)
+        if step is not None:
+            step.load(ctx)
+            return step
+        step = self._graphs.pop(key, None) if self.max_graphs > 0 else None
+        if step is None and self.max_graphs > 0:
             while len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
             try:
-                step = _GraphedStep(self.model, ctx, x_shape, self.autocast, self._pool)
+                x = torch.zeros(x_shape, dtype=torch.float32, device=ctx.c.device)
+                step = _GraphedStep(self.model, ctx, x, self._modulation_buffer(x.device), self.autocast, self._pool,
+                                    EAGER_BLOCKS)
             except Exception as err:  # out of memory, an op that cannot be captured: serve eagerly
                 log.warning("CUDA graph capture failed for shape %s, running eagerly: %s: %s",
                             key[:3], type(err).__name__, err)
-                return None
-            self.captures += 1
-        else:
-            step.load(ctx)
+                step = None
+            else:
+                self.captures += 1
+                self.request_captures += 1
+        if step is None:
+            self.eager_runs += 1
+            return None
+        step.load(ctx)
         self._graphs[key] = step
         return step
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._buckets.clear()

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from .sampler import DEFAULTS
-from .transformer import CHECKPOINT_PREFIX, CONFIG_FILE, ENCODER_FUSION_KEYS, WEIGHTS_FILE, build_transformer
+from .transformer import (CHECKPOINT_PREFIX, CONFIG_FILE, ENCODER_FUSION_KEYS, WEIGHTS_FILE, AuKTransformer,
+                          build_transformer)
 
 SYNTHETIC_DIT_WARNING = (
     "AuK DiT weights are SYNTHETIC (seeded random, not the released checkpoint): "
@@ -60,21 +61,40 @@ def _synthetic_tensor(name: str, shape, generator: torch.Generator, dim_head: in
     return normal((0.2 if modulation else 1.0) / fan_in**0.5)
 
 
-def synthetic_dit_state(preset: str, seed: int, latent_dim: int = 64) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (prefixed keys, fp32) for a preset and seed."""
+def _dit_tensors(preset: str, seed: int, latent_dim: int):
+    """(name without the prefix, fp32 tensor) for every DiT tensor, in the checkpoint's order, then
+    the generator that made them (the encoder fusion keys are drawn from it next)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown synthetic DiT preset {preset!r}; choose one of {sorted(PRESETS)}")
     dims = PRESETS[preset]
     shapes = build_transformer({"dit": dims, "vae": {"latent_dim": latent_dim}}, device="meta").state_dict()
     generator = torch.Generator().manual_seed(seed)
-    state = {
-        CHECKPOINT_PREFIX + name: _synthetic_tensor(name, tuple(t.shape), generator, dims["dim_head"]).contiguous()
-        for name, t in shapes.items()
-    }
+    tensors = ((name, _synthetic_tensor(name, tuple(t.shape), generator, dims["dim_head"]).contiguous())
+               for name, t in shapes.items())
+    return tensors, generator
+
+
+def synthetic_dit_state(preset: str, seed: int, latent_dim: int = 64) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (prefixed keys, fp32) for a preset and seed."""
+    tensors, generator = _dit_tensors(preset, seed, latent_dim)
+    state = {CHECKPOINT_PREFIX + name: tensor for name, tensor in tensors}
     layer_weights, layer_scale = ENCODER_FUSION_KEYS
     state[layer_weights] = torch.randn(ENCODER_LAYERS, generator=generator) * 0.1
     state[layer_scale] = torch.ones(1)
     return state
+
+
+@torch.no_grad()
+def synthetic_transformer(preset: str = "small", seed: int = 0, device="cpu", dtype=torch.float32,
+                          latent_dim: int = 64) -> AuKTransformer:
+    """The DiT with the weights `write_synthetic_dit_checkpoint` writes for this preset and seed,
+    built in memory: each tensor is cast onto `device` as it is made (no checkpoint on disk, and
+    one fp32 tensor at a time on the host)."""
+    tensors, _ = _dit_tensors(preset, seed, latent_dim)  # refuses an unknown preset
+    model = build_transformer({"dit": PRESETS[preset], "vae": {"latent_dim": latent_dim}}, device="meta")
+    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def write_synthetic_dit_checkpoint(out_dir, preset: str = "small", seed: int = 0, variant: str = "base") -> Path:

@@ -14,9 +14,12 @@ Layout of one velocity call:
     Ls single blocks over h = [c | a]
     velocity = proj_out(FinalAdaLN(h[:, -n:], temb))
 
-The per-request parts (text projection, reference embedding, masks, attention
-bias, rotary tables) are built once by `prepare()`; `step()` is one velocity
-evaluation against them, and `forward()` is the two together.
+The per-request parts (text projection, reference embedding, masks, rotary
+tables) are built once by `prepare()`; `step()` is one velocity evaluation
+against them, and `forward()` is the two together. The AdaLN modulation depends
+on the time alone: a run computes it once per grid time (`modulation_table`)
+and `step()` looks it up; `velocity()` is the step given its modulation, the
+part a CUDA graph captures and `torch.compile` compiles block by block.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -145,16 +149,30 @@ def _rotate_pairs(u: torch.Tensor) -> torch.Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
-def apply_rotary(u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """u [B, H, L, Dh]; rope tables [L, Dh] or [B, L, Dh]. Computed in fp32, cast back."""
-    cos, sin = rope
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
+def rotate(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on u with (cos, sin) tables that broadcast against it: computed in fp32, cast back."""
     u32 = u.float()
     return (u32 * cos + _rotate_pairs(u32) * sin).to(u.dtype)
 
 
+def apply_rotary(u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """u [B, H, L, Dh] (the spec's layout); rope tables [L, Dh] or [B, L, Dh].
+
+    The model keeps heads as [B, L, H, Dh] and calls `rotate` with tables shaped for that."""
+    cos, sin = rope
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    return rotate(u, cos, sin)
+
+
 # --------------------------------------------------------------------------- blocks
+#
+# AdaLN modulation depends on the time alone, and every row of a run shares it, so
+# it is computed apart from the blocks: `modulation(temb)` is the linear, and
+# `modulate(x, mod)` applies it. A run computes every AdaLN's modulation once per
+# grid time (AuKTransformer.modulation_table) and its steps look it up; `forward(x,
+# temb)` is the two together, the per-block reference. A modulation has one row
+# per model row, or one row that broadcasts over them all.
 
 
 class AdaLayerNormZero(nn.Module):
@@ -165,10 +183,16 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(dim, 6 * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
 
+    def modulation(self, temb: torch.Tensor) -> torch.Tensor:
+        return self.linear(F.silu(temb))  # [R, 6D]
+
+    def modulate(self, x: torch.Tensor, mod: torch.Tensor):
+        """LN(x)(1 + scale_msa) + shift_msa, then gate_msa, shift_mlp, scale_mlp, gate_mlp, each [R, 1, D]."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
+        return self.norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
     def forward(self, x: torch.Tensor, temb: torch.Tensor):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(F.silu(temb)).chunk(6, dim=-1)
-        x = self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+        return self.modulate(x, self.modulation(temb))
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -177,9 +201,15 @@ class AdaLayerNormFinal(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
 
+    def modulation(self, temb: torch.Tensor) -> torch.Tensor:
+        return self.linear(F.silu(temb))  # [R, 2D]: scale, then shift
+
+    def modulate(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        scale, shift = mod[:, None].chunk(2, dim=-1)
+        return self.norm(x) * (1 + scale) + shift
+
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)
-        return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return self.modulate(x, self.modulation(temb))
 
 
 class FeedForward(nn.Module):
@@ -195,16 +225,23 @@ class FeedForward(nn.Module):
         return self.linear_out(F.silu(gate) * up)
 
 
-def _split_heads(qkv: torch.Tensor, heads: int):
-    """[B, N, 3I] -> q, k, v, each [B, H, N, Dh] (q, k, v in that order, head-major)."""
-    return [t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+def _heads(qkv: torch.Tensor, heads: int):
+    """[B, N, 3I] -> q, k, v, each a [B, N, H, Dh] view (q, k, v in that order, head-major).
+
+    Heads stay where the projection put them: the norms and RoPE work on the last
+    axis whatever the layout, and the attention kernels take [B, H, N, Dh] as a
+    transposed view of this, so no copy re-lays them out."""
+    return qkv.unflatten(-1, (3, heads, -1)).unbind(2)
 
 
-def _attend(q, k, v, bias):
-    if bias is not None and bias.dtype != q.dtype:
-        bias = bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    return out.transpose(1, 2).flatten(2)  # [B, N, I]
+def _attend(q, k, v, keys):
+    """q, k, v [B, N, H, Dh] -> [B, N, H * Dh]; `keys` a boolean [B, 1, 1, K] (True: attend) or None.
+
+    A boolean key mask rather than an additive bias: the fused kernels take it as it
+    is (a -inf bias in the inputs' dtype is what they make of it), where an fp32 bias
+    needed a cast per call and kept some of them out."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys)
+    return out.transpose(1, 2).flatten(2)
 
 
 def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -212,7 +249,7 @@ def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 
 def _ff_update(x, ff, norm, shift, scale, gate):
-    return x + gate[:, None] * ff(norm(x) * (1 + scale[:, None]) + shift[:, None])
+    return x + gate * ff(norm(x) * (1 + scale) + shift)
 
 
 class Attention(nn.Module):
@@ -227,11 +264,11 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(dim_head)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x, rope, bias, mask):
-        q, k, v = _split_heads(self.to_qkv(x), self.heads)
-        q = apply_rotary(self.q_norm(q), rope)
-        k = apply_rotary(self.k_norm(k), rope)
-        return _zero_padded_rows(self.to_out[0](_attend(q, k, v, bias)), mask)
+    def forward(self, x, rope, keys, mask):
+        q, k, v = _heads(self.to_qkv(x), self.heads)
+        q = rotate(self.q_norm(q), *rope)
+        k = rotate(self.k_norm(k), *rope)
+        return _zero_padded_rows(self.to_out[0](_attend(q, k, v, keys)), mask)
 
 
 class JointAttention(Attention):
@@ -247,13 +284,14 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head)
         self.to_out_c = nn.Linear(inner, dim)
 
-    def forward(self, a, c, rope_a, rope_c, bias, audio_mask, c_mask):
-        qa, ka, va = _split_heads(self.to_qkv(a), self.heads)
-        qc, kc, vc = _split_heads(self.to_qkv_c(c), self.heads)
-        qa, ka = apply_rotary(self.q_norm(qa), rope_a), apply_rotary(self.k_norm(ka), rope_a)
-        qc, kc = apply_rotary(self.c_q_norm(qc), rope_c), apply_rotary(self.c_k_norm(kc), rope_c)
-        q, k, v = (torch.cat(pair, dim=2) for pair in ((qa, qc), (ka, kc), (va, vc)))
-        out = _attend(q, k, v, bias)
+    def forward(self, a, c, rope_a, rope_c, keys, audio_mask, c_mask):
+        qa, ka, va = _heads(self.to_qkv(a), self.heads)
+        qc, kc, vc = _heads(self.to_qkv_c(c), self.heads)
+        # Joined along the sequence axis of [B, N, H, Dh]: one copy each, already in the kernel's layout.
+        q = torch.cat([rotate(self.q_norm(qa), *rope_a), rotate(self.c_q_norm(qc), *rope_c)], dim=1)
+        k = torch.cat([rotate(self.k_norm(ka), *rope_a), rotate(self.c_k_norm(kc), *rope_c)], dim=1)
+        v = torch.cat([va, vc], dim=1)
+        out = _attend(q, k, v, keys)
         na = a.shape[1]
         out_a = _zero_padded_rows(self.to_out[0](out[:, :na]), audio_mask)
         out_c = _zero_padded_rows(self.to_out_c(out[:, na:]), c_mask)
@@ -271,13 +309,14 @@ class DoubleStreamBlock(nn.Module):
         self.ff_norm_x = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff_x = FeedForward(dim, ff_hidden)
 
-    def forward(self, a, c, temb, ctx: "DiTContext"):
-        c_in, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.attn_norm_c(c, temb)
-        a_in, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = self.attn_norm_x(a, temb)
-        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask)
-        c = c + c_gate_msa[:, None] * dc
+    def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext"):
+        """mod_c, mod_x: attn_norm_c's and attn_norm_x's modulations at this step's time."""
+        c_in, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.attn_norm_c.modulate(c, mod_c)
+        a_in, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = self.attn_norm_x.modulate(a, mod_x)
+        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_keys, ctx.audio_mask, ctx.c_mask)
+        c = c + c_gate_msa * dc
         c = _ff_update(c, self.ff_c, self.ff_norm_c, c_shift_mlp, c_scale_mlp, c_gate_mlp)
-        a = a + a_gate_msa[:, None] * da
+        a = a + a_gate_msa * da
         a = _ff_update(a, self.ff_x, self.ff_norm_x, a_shift_mlp, a_scale_mlp, a_gate_mlp)
         return a, c
 
@@ -290,18 +329,62 @@ class SingleStreamBlock(nn.Module):
         self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff = FeedForward(dim, ff_hidden)
 
-    def forward(self, h, temb, ctx: "DiTContext"):
-        h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(h, temb)
-        h = h + gate_msa[:, None] * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask)
+    def forward(self, h, mod, ctx: "DiTContext"):
+        h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulate(h, mod)
+        h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_keys, ctx.single_mask)
         return _ff_update(h, self.ff, self.ff_norm, shift_mlp, scale_mlp, gate_mlp)
+
+
+def run_double_block(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
+    return block(a, c, mod_c, mod_x, ctx)
+
+
+def run_single_block(block: SingleStreamBlock, h, mod, ctx):
+    return block(h, mod, ctx)
+
+
+@dataclass(frozen=True)
+class BlockRunners:
+    """How `velocity` calls its blocks: as they are, or compiled (see compiled.py). Every
+    block of a kind runs through the same function, so one compilation serves all of them."""
+
+    double: Callable = run_double_block
+    single: Callable = run_single_block
+
+
+EAGER_BLOCKS = BlockRunners()
 
 
 # --------------------------------------------------------------------------- the model
 
 
+@dataclass(frozen=True)
+class ModulationTable:
+    """Every AdaLN's modulation at each time of a run's grid, computed once for the run.
+
+    The step looks its time up instead of running the 61 AdaLN linears (1.1 GB of
+    bf16 weights at the released dims) again at every step. Rows hold exactly what
+    the per-block computation gives (the same linears on the same time embedding),
+    one row per time that broadcasts over every row of the batch."""
+
+    rows: dict  # a grid time, as a Python float -> its row in `values`
+    values: torch.Tensor  # [times, total]
+
+    def lookup(self, time) -> torch.Tensor | None:
+        """The modulation [1, total] at `time` (a number or a 0-d tensor; one on a GPU is read
+        back, so pass the CPU grid's), or None when the time is not in the table."""
+        if torch.is_tensor(time) and time.dim() != 0:
+            return None
+        index = self.rows.get(float(time))
+        return None if index is None else self.values[index : index + 1]
+
+
 @dataclass
 class DiTContext:
-    """What the velocity calls of one request share. Rows are [cond; uncond] under CFG."""
+    """What the velocity calls of one request share. Rows are [cond; uncond] under CFG.
+
+    Per-row tensors lead with the model rows (B' = B * copies), or with one row that
+    broadcasts over them (rotary tables without a mask)."""
 
     n: int  # target frames
     copies: int  # 2 under CFG (rows duplicated), else 1
@@ -311,28 +394,38 @@ class DiTContext:
     c_mask: torch.Tensor | None  # [B', nt]
     audio_mask: torch.Tensor | None  # [B', np + n]
     single_mask: torch.Tensor | None  # [B', nt + np + n]
-    joint_bias: torch.Tensor | None  # [B', 1, 1, np + n + nt]
-    single_bias: torch.Tensor | None  # [B', 1, 1, nt + np + n]
+    joint_keys: torch.Tensor | None  # bool [B', 1, 1, np + n + nt]: the joint attention's valid keys
+    single_keys: torch.Tensor | None  # bool [B', 1, 1, nt + np + n]
+    # (cos, sin), each [B' or 1, L, 1, Dh]: shaped for heads laid out [B, L, H, Dh]
     rope_audio: tuple[torch.Tensor, torch.Tensor]
     rope_text: tuple[torch.Tensor, torch.Tensor]
     rope_single: tuple[torch.Tensor, torch.Tensor]
+    # The run's modulation table (not a tensor of the step's own: a graph copies its row in).
+    modulation: ModulationTable | None = None
 
-
-def _key_bias(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Key mask [B, K] -> additive bias [B, 1, 1, K]: 0 for valid keys, -inf for padding."""
-    if mask is None:
-        return None
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return bias.masked_fill(~mask, float("-inf"))[:, None, None, :]
+    def head(self, rows: int) -> "DiTContext":
+        """Views of the first `rows` model rows: a graph of fewer rows reads the front of the
+        buffers of a context with more, so one set of buffers serves every row count."""
+        cut = lambda t: None if t is None else t[:rows]  # noqa: E731  (a one-row table stays one row)
+        return replace(
+            self,
+            c=cut(self.c), prompt=cut(self.prompt), c_mask=cut(self.c_mask), audio_mask=cut(self.audio_mask),
+            single_mask=cut(self.single_mask), joint_keys=cut(self.joint_keys), single_keys=cut(self.single_keys),
+            target_mask=None if self.target_mask is None else self.target_mask[: rows // self.copies],
+            rope_audio=tuple(map(cut, self.rope_audio)), rope_text=tuple(map(cut, self.rope_text)),
+            rope_single=tuple(map(cut, self.rope_single)),
+        )
 
 
 def _repeat_rows(t: torch.Tensor | None, copies: int) -> torch.Tensor | None:
     return t if t is None or copies == 1 else torch.cat([t] * copies, dim=0)
 
 
-def _repeat_rope(tables: tuple[torch.Tensor, torch.Tensor], copies: int):
-    # Unbatched tables [L, Dh] broadcast over every row; per-row ones [B, L, Dh] are copied.
-    return tables if tables[0].dim() == 2 else tuple(_repeat_rows(t, copies) for t in tables)
+def _rope_for_heads(tables: tuple[torch.Tensor, torch.Tensor], copies: int):
+    """Tables [L, Dh] or [B, L, Dh] -> [1 or B', L, 1, Dh], broadcasting over heads in [B, L, H, Dh]."""
+    if tables[0].dim() == 2:
+        return tuple(t[None, :, None] for t in tables)
+    return tuple(_repeat_rows(t, copies)[:, :, None] for t in tables)
 
 
 class AuKTransformer(nn.Module):
@@ -425,10 +518,10 @@ class AuKTransformer(nn.Module):
             audio_mask = torch.cat([ref_mask if ref_mask is not None else ones(np_),
                                     mask if mask is not None else ones(n)], dim=1)
         single_mask = None if audio_mask is None else torch.cat([c_mask, audio_mask], dim=1)
-        joint_bias = single_bias = None
+        joint_keys = single_keys = None
         if self.attn_mask_enabled and audio_mask is not None:
-            joint_bias = _key_bias(torch.cat([audio_mask, c_mask], dim=1))
-            single_bias = _key_bias(single_mask)
+            joint_keys = torch.cat([audio_mask, c_mask], dim=1)[:, None, None, :]
+            single_keys = single_mask[:, None, None, :]
 
         rope = self.rotary_embed.tables
         return DiTContext(
@@ -440,32 +533,78 @@ class AuKTransformer(nn.Module):
             c_mask=_repeat_rows(c_mask, copies),
             audio_mask=_repeat_rows(audio_mask, copies),
             single_mask=_repeat_rows(single_mask, copies),
-            joint_bias=_repeat_rows(joint_bias, copies),
-            single_bias=_repeat_rows(single_bias, copies),
-            rope_audio=_repeat_rope(rope(np_ + n, audio_mask, device), copies),
-            rope_text=_repeat_rope(rope(nt, c_mask, device), copies),
-            rope_single=_repeat_rope(rope(nt + np_ + n, single_mask, device), copies),
+            joint_keys=_repeat_rows(joint_keys, copies),
+            single_keys=_repeat_rows(single_keys, copies),
+            rope_audio=_rope_for_heads(rope(np_ + n, audio_mask, device), copies),
+            rope_text=_rope_for_heads(rope(nt, c_mask, device), copies),
+            rope_single=_rope_for_heads(rope(nt + np_ + n, single_mask, device), copies),
         )
 
-    def step(self, x: torch.Tensor, time, ctx: DiTContext) -> torch.Tensor:
-        """One velocity evaluation: x [B, n, C], time scalar or [B] -> [B * ctx.copies, n, C]."""
-        B, n, _ = x.shape
-        if n != ctx.n:
-            raise ValueError(f"context was prepared for {ctx.n} target frames, x has {n}")
-        time = torch.as_tensor(time, dtype=torch.float32, device=x.device)
+    # ---- modulation: a function of the time alone
+
+    def adaln_norms(self) -> list[nn.Module]:
+        """Every AdaLN, in the order of a modulation's columns: each double block's text then
+        audio norm, each single block's, the final one."""
+        norms: list[nn.Module] = []
+        for block in self.transformer_blocks:
+            norms += [block.attn_norm_c, block.attn_norm_x]
+        norms += [block.attn_norm for block in self.single_transformer_blocks]
+        return norms + [self.norm_out]
+
+    def modulation(self, temb: torch.Tensor) -> torch.Tensor:
+        """Every AdaLN's modulation for time embeddings [R, D] -> [R, total], side by side."""
+        return torch.cat([norm.modulation(temb) for norm in self.adaln_norms()], dim=-1)
+
+    def modulation_at(self, time, copies: int = 1) -> torch.Tensor:
+        """The modulation at `time`: one row for a scalar (it broadcasts over the batch), else a
+        row per time, copied for the CFG rows."""
+        time = torch.as_tensor(time, dtype=torch.float32, device=self.proj_out.weight.device)
         if time.dim() == 0:
-            time = time.repeat(B)
-        temb = _repeat_rows(self.time_embed(time), ctx.copies)
+            return self.modulation(self.time_embed(time[None]))
+        return _repeat_rows(self.modulation(self.time_embed(time)), copies)
+
+    def modulation_table(self, times) -> ModulationTable:
+        """The modulation at each of `times` (a run's grid, on the CPU), for its steps to look up.
+        Run it under the steps' autocast: it holds what they would compute."""
+        times = torch.as_tensor(times, dtype=torch.float32).cpu().flatten()
+        values = self.modulation(self.time_embed(times.to(self.proj_out.weight.device)))
+        return ModulationTable({t: i for i, t in enumerate(times.tolist())}, values)
+
+    def split_modulation(self, mod: torch.Tensor):
+        """A modulation [R, total] -> an iterator of each AdaLN's columns (views), in `adaln_norms` order."""
+        widths = [norm.linear.out_features for norm in self.adaln_norms()]
+        return iter(mod.split(widths, dim=-1))
+
+    # ---- one velocity evaluation
+
+    def step(self, x: torch.Tensor, time, ctx: DiTContext) -> torch.Tensor:
+        """One velocity evaluation: x [B, n, C], time scalar or [B] -> [B * ctx.copies, n, C].
+
+        A time in the context's modulation table is looked up; any other is computed."""
+        if x.shape[1] != ctx.n:
+            raise ValueError(f"context was prepared for {ctx.n} target frames, x has {x.shape[1]}")
+        mod = None if ctx.modulation is None else ctx.modulation.lookup(time)
+        if mod is None:
+            if torch.is_tensor(time):
+                time = time.to(x.device)
+            mod = self.modulation_at(time, ctx.copies)
+        return self.velocity(x, mod, ctx)
+
+    def velocity(self, x: torch.Tensor, mod: torch.Tensor, ctx: DiTContext,
+                 blocks: BlockRunners = EAGER_BLOCKS) -> torch.Tensor:
+        """The step given its modulation [1 or B', total]: what a CUDA graph captures."""
+        n = x.shape[1]
+        mods = self.split_modulation(mod)
         a = _repeat_rows(self.audio_embed(x, ctx.target_mask), ctx.copies)
         if ctx.prompt is not None:
             a = torch.cat([ctx.prompt, a], dim=1)
         c = ctx.c
         for block in self.transformer_blocks:
-            a, c = block(a, c, temb, ctx)
+            a, c = blocks.double(block, a, c, next(mods), next(mods), ctx)
         h = torch.cat([c, a], dim=1)
         for block in self.single_transformer_blocks:
-            h = block(h, temb, ctx)
-        return self.proj_out(self.norm_out(h[:, -n:], temb))
+            h = blocks.single(block, h, next(mods), ctx)
+        return self.proj_out(self.norm_out.modulate(h[:, -n:], next(mods)))
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:
         """prepare() and step() together: one velocity evaluation from scratch."""

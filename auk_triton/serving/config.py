@@ -217,6 +217,24 @@ class DiTSettings:
     # Requests in one sampler run (of those Triton's dynamic batcher hands over together,
     # at most max_batch_size); 1: one request at a time, no batching.
     max_batch_requests: int = 16
+    # GPU, with CUDA graphs: the step runs through torch.compile (its blocks, dynamic shapes)
+    # before each bucket's graphs are captured at load; the Inductor cache in cache_dir keeps
+    # the generated code across restarts. A CPU steps eagerly whatever this says.
+    compile_step: bool = True
+    # GPU, with CUDA graphs: each run is padded up to the smallest of these sizes that holds its
+    # longest prompt (tokens), target and reference (frames), and every bucket's graphs (one per
+    # request count it holds) are captured at load, before READY. 10 s of audio with up to 64
+    # tokens lands on (64, 512); a request past the largest size of any list runs alone, its
+    # graph captured at request time (logged and counted as a fallback). Empty text or target
+    # lists: no buckets (a graph per exact run shape, as max_graphs keeps them).
+    text_buckets: tuple[int, ...] = (64, 256, 512)
+    frame_buckets: tuple[int, ...] = (256, 512, 1024, 2048)
+    ref_buckets: tuple[int, ...] = (512, 2048)
+    # The most row tokens in one bucketed run: requests (two rows each when guided) x the
+    # bucket's text + reference + target; at least one request. 16 guided requests of 10 s
+    # and 64 tokens, 16 x 2 x (64 + 512). It bounds a run's memory, its step time and the
+    # graphs a large bucket needs.
+    max_batch_tokens: int = 18432
     cache_dir: Path = DEFAULT_CACHE_DIR
 
     @classmethod
@@ -234,8 +252,23 @@ class DiTSettings:
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 0),
             max_batch_requests=int_parameter(params, "max_batch_requests", default.max_batch_requests, 1),
+            compile_step=bool_parameter(params, "compile_step", default.compile_step),
+            text_buckets=list_parameter(params, "text_buckets", default.text_buckets, "64,256,512"),
+            frame_buckets=list_parameter(params, "frame_buckets", default.frame_buckets, "256,512,1024,2048"),
+            ref_buckets=list_parameter(params, "ref_buckets", default.ref_buckets, "512,2048"),
+            max_batch_tokens=int_parameter(params, "max_batch_tokens", default.max_batch_tokens, 1),
             cache_dir=cache_dir_path(params, model_dir, environ),
         )
+
+    def shape_buckets(self):
+        """The buckets runs are padded up to (a diffusion.ShapeBuckets); None when the text or
+        target list is empty. Imported here: the front door reads these settings without torch."""
+        from auk_triton.diffusion import ShapeBuckets
+
+        if not self.text_buckets or not self.frame_buckets:
+            return None
+        return ShapeBuckets(self.text_buckets, self.frame_buckets, self.ref_buckets, self.max_batch_tokens,
+                            self.max_batch_requests)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,13 @@ and removes it itself). Inputs, after that axis:
   [frames, 64]: a source clip's normalized latents, for editing.
 
 Output LATENTS FP32 [1, ceil(50 * GEN_SECONDS), 64]. The requests of one `execute`
-whose sampling can share a run (one time grid, guided or not) are sampled together,
-at most `max_batch_requests` a run, oldest run first; each run's responses are sent
-as soon as it ends. A request that breaks a limit (duration, steps,
+whose sampling can share a run (one time grid, guided or not; on a GPU, one shape
+bucket) are sampled together, at most `max_batch_requests` a run (and on a GPU as
+many as the bucket's `max_batch_tokens` hold), oldest run first; each run's
+responses are sent as soon as it ends. On a GPU every bucket's step graphs are
+compiled and captured in `initialize`, before the model is ready; a run that
+finds none (a request past the largest bucket) is logged and counted
+(`auk_dit_fallback_runs_total`). A request that breaks a limit (duration, steps,
 MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
 (INVALID_ARG) before any sampling and its batch runs without it. A request whose
 client is gone stops before sampling or at the next Euler step (CANCELLED).
@@ -32,10 +36,11 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb_utils
 
-from auk_triton.diffusion import SamplingStopped, load_sampler, sampler_runs
+from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 
 from .checkpoints import resolve_checkpoint
-from .config import DiTSettings
+from .config import DiTSettings, use_compile_cache
+from .metrics import DiTMetrics
 from .requests import RequestCancelled, dit_plan, one_row
 from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
 
@@ -53,10 +58,17 @@ class TritonPythonModel:
             settings.checkpoint, settings.cache_dir, lambda text: log("warn", text), with_dit=True
         )
         began = time.perf_counter()
+        # Buckets and the compiled step serve the CUDA graphs: a CPU pads to the longest row, eagerly.
+        graphs = settings.enable_cuda_graphs and self.device.type == "cuda"
+        compiled = graphs and settings.compile_step
+        if compiled:
+            use_compile_cache(settings.cache_dir)
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(
             checkpoint, self.device, DTYPES[settings.dtype], max_frames=settings.max_frames,
             max_graphs=settings.max_graphs if settings.enable_cuda_graphs else 0,
+            buckets=settings.shape_buckets() if graphs else None,
+            compile=CompileOptions() if compiled else None,
         )
         check_tensor_widths(self.model_config, {
             "PROMPT_EMBEDS": ("text width (dit.text_hidden_dim)", self.sampler.text_dim),
@@ -67,6 +79,28 @@ class TritonPythonModel:
                      f"CUDA graphs {'on' if self.sampler.graphs else 'off'}, up to "
                      f"{settings.max_batch_requests} requests a run) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")
+        self.metrics = DiTMetrics({"model": self.name, "version": str(args["model_version"])})
+        self._warm_up(compiled)
+
+    def _warm_up(self, compiled: bool) -> None:
+        """Capture every bucket's step graphs (compiling the step first, when on) before READY."""
+        if self.sampler.buckets is None or self.sampler.graphs is None:
+            return
+        began = time.perf_counter()
+
+        def on_bucket(shape, guided, graphs, seconds):
+            log("verbose", f"{self.name}: bucket {shape.text} tokens, {shape.frames} frames, "
+                           f"{shape.ref or 'no'} reference frames, {'guided' if guided else 'unguided'}: "
+                           f"{graphs} graphs in {seconds:.2f} s")
+
+        self.sampler.warmup(on_bucket)
+        graphs = self.sampler.graphs
+        failures = ""
+        if graphs.compile_failures:
+            failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs serve them)"
+        log("warn" if graphs.compile_failures else "info",
+            f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
+            f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}")
 
     def execute(self, requests):
         """Plan every request, sample the plans in runs, send each run's responses as it ends.
@@ -82,9 +116,9 @@ class TritonPythonModel:
                                                 self.settings.max_prompt_tokens)))
             except Exception as err:
                 senders[index].send(failure_response(self.name, "generation", err, request), flags=FINAL)
-        schedules = [plan.schedule for _, plan in planned]
-        for run in sampler_runs(schedules, self.settings.max_batch_requests):
+        for run in self.sampler.runs([plan for _, plan in planned], self.settings.max_batch_requests):
             rows = [planned[i] for i in run]
+            before = self._fallbacks()
             try:
                 # Asked before sampling and between steps, per row: one round trip each, next
                 # to steps that take milliseconds.
@@ -95,7 +129,24 @@ class TritonPythonModel:
                 results = [err] * len(rows)
             for (index, _), result in zip(rows, results):
                 senders[index].send(self._response(result, requests[index]), flags=FINAL)
+            self._count_fallbacks(before, [plan for _, plan in rows])
         return None
+
+    def _fallbacks(self) -> dict[str, int]:
+        graphs = self.sampler.graphs
+        return {} if graphs is None else {"capture": graphs.request_captures, "eager": graphs.eager_runs}
+
+    def _count_fallbacks(self, before: dict[str, int], plans) -> None:
+        """Log and count a run that found no graph captured at load (GPU only)."""
+        for kind, count in self._fallbacks().items():
+            if count > before[kind]:
+                self.metrics.fallback(kind, count - before[kind])
+                plan = max(plans, key=lambda p: p.frames)
+                ref = 0 if plan.ref is None else plan.ref.shape[0]
+                log("warn", f"{self.name}: a run of {len(plans)} request(s) up to {plan.text.shape[0]} tokens, "
+                            f"{plan.frames} frames, {ref} reference frames has no graph captured at load: "
+                            f"{'captured now' if kind == 'capture' else 'stepped eagerly'} "
+                            f"({count} such runs since load)")
 
     def _response(self, result, request):
         if isinstance(result, SamplingStopped):
@@ -106,6 +157,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)])
 
     def finalize(self):
+        if getattr(self, "sampler", None) is not None and self.sampler.graphs is not None:
+            self.sampler.graphs.clear()
         self.sampler = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -193,3 +193,40 @@ class DecodeMetrics:
         if self._reporter.is_alive():
             log("warn", "the metrics reporter did not finish its last report in time; the model stops without it")
         self._reporter = None
+
+
+class DiTMetrics:
+    """auk_dit's counter of sampler runs that found no step graph captured at load: their graph
+    was captured at request time (`kind="capture"`) or they stepped eagerly (`kind="eager"`).
+
+    Only a fallback updates it (a round trip to the server, after the run's responses are
+    sent), so the runs that replay their bucket's graphs pay nothing for it."""
+
+    KINDS = ("capture", "eager")
+
+    def __init__(self, labels: dict[str, str]):
+        self._family = None
+        self._runs: dict[str, object] = {}
+        family_cls = getattr(pb_utils, "MetricFamily", None)
+        if family_cls is None:
+            return
+        try:
+            self._family = family_cls(
+                name="auk_dit_fallback_runs_total",
+                description="auk_dit sampler runs with no step graph captured at load: captured at request "
+                            "time (kind=capture) or stepped eagerly (kind=eager)",
+                kind=family_cls.COUNTER,
+            )
+            self._runs = {kind: self._family.Metric(labels={**labels, "kind": kind}) for kind in self.KINDS}
+        except Exception as err:  # metrics disabled on the server, or an older backend
+            log("warn", f"custom metrics are unavailable ({err}); auk_dit exports none")
+            self._family, self._runs = None, {}
+
+    def fallback(self, kind: str, runs: int = 1) -> None:
+        metric = self._runs.get(kind)
+        if metric is None:
+            return
+        try:
+            metric.increment(runs)
+        except Exception as err:  # the server is shutting down
+            log("warn", f"could not update auk_dit's metrics: {err}")

@@ -245,3 +245,60 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vae": VAE_SECTION}))
     with pytest.raises(CheckpointError, match="'dit'"):
         load_transformer(tmp_path)
+
+
+@torch.no_grad()
+def test_the_modulation_table_holds_what_each_block_computes_from_its_time(small_model):
+    grid = torch.tensor([0.0, 0.07612049579620361, 0.2928932309150696, 0.6173166036605835])
+    table = small_model.modulation_table(grid)
+    D = small_model.dim
+    assert table.values.shape == (4, (2 * 6 * 2 + 6 * 2 + 2) * D)  # two double, two single blocks, the final norm
+    for index, t in enumerate(grid):
+        # The per-block reference: the time repeated to a batch of three rows, as a step without a table does.
+        temb = small_model.time_embed(t.repeat(3))
+        expected = [norm.linear(torch.nn.functional.silu(temb)) for norm in small_model.adaln_norms()]
+        row = table.lookup(t)
+        assert row.shape == (1, table.values.shape[1])
+        for got, want in zip(small_model.split_modulation(row), expected):
+            assert torch.allclose(got.expand_as(want), want, rtol=0, atol=1e-6)
+    assert table.lookup(0.5) is None and table.lookup(torch.tensor([0.0, 0.0])) is None
+
+
+@torch.no_grad()
+def test_a_step_that_looks_its_time_up_equals_the_step_that_computes_it(small_model):
+    g = torch.Generator().manual_seed(4)
+    x, text, ref = torch.randn(2, 9, 64, generator=g), torch.randn(2, 5, 2048, generator=g), torch.randn(2, 3, 64, generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    ctx = small_model.prepare(text, 9, ref=ref, mask=mask, cfg_infer=True)
+    t = torch.tensor(0.2928932309150696)
+    computed = small_model.step(x, t, ctx)
+    ctx.modulation = small_model.modulation_table(torch.tensor([0.0, 0.2928932309150696]))
+    looked_up = small_model.step(x, t, ctx)
+    assert torch.allclose(looked_up, computed, rtol=0, atol=1e-6 * float(computed.abs().max()))
+    # The AdaLN modules' own forward (time embedding in, modulated input out) is the same math.
+    h = torch.randn(2, 4, small_model.dim, generator=g)
+    temb = small_model.time_embed(t.repeat(2))
+    norm = small_model.single_transformer_blocks[0].attn_norm
+    reference = norm(h, temb)[0]
+    own = list(small_model.split_modulation(ctx.modulation.lookup(t)))[2 * len(small_model.transformer_blocks)]
+    assert torch.allclose(norm.modulate(h, own)[0], reference, atol=1e-6)
+
+
+@torch.no_grad()
+def test_padding_reaches_the_attention_as_a_boolean_key_mask(small_model):
+    text, ref = torch.randn(1, 4, 2048), torch.randn(1, 3, 64)
+    mask = torch.tensor([[True] * 5 + [False] * 2])
+    ctx = small_model.prepare(text, 7, ref=ref, mask=mask, cfg_infer=True)
+    assert ctx.joint_keys.dtype == torch.bool and ctx.joint_keys.shape == (2, 1, 1, 3 + 7 + 4)
+    assert ctx.joint_keys[0, 0, 0].tolist() == [True] * 8 + [False] * 2 + [True] * 4  # [audio | text]
+    assert ctx.single_keys[1, 0, 0].tolist() == [True] * 4 + [True] * 8 + [False] * 2  # [text | audio]
+    assert small_model.prepare(text, 7).joint_keys is None  # nothing padded, no mask
+
+
+def test_the_synthetic_transformer_built_in_memory_holds_the_checkpoints_weights(checkpoint):
+    from auk_triton.diffusion.synthetic import synthetic_transformer
+
+    built, loaded = synthetic_transformer("small", seed=0).state_dict(), load_transformer(checkpoint).state_dict()
+    assert built.keys() == loaded.keys()
+    assert all(torch.equal(built[name], loaded[name]) for name in loaded)

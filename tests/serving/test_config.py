@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from auk_triton.codec import DEFAULT_COMPILE_SHAPES
+from auk_triton.diffusion import RunShape
 from auk_triton.serving.config import (
     DecodeSettings,
     DiTSettings,
@@ -178,3 +179,21 @@ def test_the_launcher_and_the_models_take_the_same_cache_folder(tmp_path):
 def test_a_bad_dit_dtype_fails_the_load_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match="dtype is 'half'; use one of auto, bfloat16, float32"):
         DiTSettings.from_model_config({"parameters": {"dtype": {"string_value": "half"}}}, tmp_path, environ={})
+
+
+def test_auk_dit_buckets_come_from_its_config_and_none_turns_them_off(tmp_path):
+    dit = DiTSettings.from_model_config(shipped_config("auk_dit"), tmp_path, environ={})
+    buckets = dit.shape_buckets()
+    assert (buckets.text, buckets.frames, buckets.ref) == ((64, 256, 512), (256, 512, 1024, 2048), (512, 2048))
+    assert (buckets.max_tokens, buckets.max_requests, dit.compile_step) == (18432, 16, True)
+    assert buckets.shape(64, 500) == RunShape(64, 512, 0)  # 10 s of audio and 64 tokens
+    assert buckets.requests(RunShape(64, 512, 0), guided=True) == 16, "16 guided 10 s requests share a run"
+    off = {"parameters": {"frame_buckets": {"string_value": "none"}}}
+    assert DiTSettings.from_model_config(off, tmp_path, environ={}).shape_buckets() is None
+    custom = {"parameters": {"text_buckets": {"string_value": "128, 32"}, "ref_buckets": {"string_value": "none"},
+                             "max_batch_requests": {"string_value": "4"}}}
+    buckets = DiTSettings.from_model_config(custom, tmp_path, environ={}).shape_buckets()
+    assert buckets.text == (32, 128) and buckets.ref == () and buckets.max_requests == 4
+    assert buckets.shape(10, 10, 5) is None, "a reference has no bucket: the run falls back"
+    with pytest.raises(ValueError, match="text_buckets is '64,x'"):
+        DiTSettings.from_model_config({"parameters": {"text_buckets": {"string_value": "64,x"}}}, tmp_path, environ={})

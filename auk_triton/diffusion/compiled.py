@@ -1,0 +1,53 @@
+"""The DiT's blocks through `torch.compile`: Inductor fuses what the eager step runs as separate kernels.
+
+The eager step at the released dims is some 2,000 kernels, most of them
+elementwise (the norms, RoPE in fp32, the modulation, the gates and residuals),
+and compiling it whole took 63 s per shape. The blocks are compiled instead,
+one function per block kind: every double block runs through one compiled
+graph and every single block through another (their weights are inputs, not
+constants), so a shape costs two block compilations, not thirty. The embeddings,
+the joins between the stacks and the output projection stay eager: a few kernels.
+
+`dynamic=True` (the default) compiles shapes symbolically: one compilation
+serves every bucket and row count (Dynamo still specialises a single row), so
+the bucket set does not multiply compile time. `dynamic=False` compiles per
+shape, for comparison. Either way the compiled step is captured as a CUDA
+graph; Inductor's caches (see `use_compile_cache` in the serving config) keep
+the generated code across restarts, so a warm start pays Dynamo's tracing only.
+
+Fused kernels round in their own order: in bf16 the compiled step differs from
+the eager one at bf16 rounding (benchmarks/bench_dit_step.py prints the figure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .transformer import BlockRunners, run_double_block, run_single_block
+
+# Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
+# past its recompile limit it runs the function eagerly from then on, silently.
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    dynamic: bool = True  # one compilation for every shape; False: one per shape
+    backend: str = "inductor"  # "eager" or "aot_eager" check the tracing without generating code
+
+
+def compiled_blocks(options: CompileOptions) -> BlockRunners:
+    """Block runners whose calls go through torch.compile (compiled on their first call)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if options.dynamic:
+        # Duck sizing gives sizes that happen to be equal one symbol, and a guard that they
+        # stay equal: a bucket of 64 text tokens tied to the head width (then specialised
+        # to it), a modulation view's offset to a width. Each became a recompilation.
+        torch.fx.experimental._config.use_duck_shape = False
+    # fullgraph: a graph break is an error at warm-up (the bucket falls back to a plain
+    # graph, logged), rather than a silently slower step.
+    compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
+    return BlockRunners(double=torch.compile(run_double_block, **compile_kw),
+                        single=torch.compile(run_single_block, **compile_kw))

@@ -1,0 +1,247 @@
+"""One DiT velocity step, replayed as a CUDA graph: the eager step against the compiled one.
+
+The released dims (1.53 B parameters) with seeded synthetic weights built in
+memory (nothing written to disk), bf16 weights under bf16 autocast as served,
+`--frames` target frames and `--tokens` text tokens, no reference, batches of
+`--batches` unguided rows. The context is masked as a bucketed run's is (a
+target mask, boolean key masks) unless `--unmasked`. Three steps on the same
+inputs, each captured as a CUDA graph and timed by its replays:
+
+- `eager, per-step modulation`: the step computing its AdaLN modulation from its
+  time (61 linears per step), as before the modulation table;
+- `eager, table`: the step reading its modulation from the run's table;
+- `compiled, table`: the same through the compiled blocks (compiled.py,
+  `--static` for a compilation per shape instead of dynamic shapes).
+
+Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
+work by torch's FlopCounterMode over that time), the relative L2 of its velocity
+against the eager bf16 step's, and what building it took (compile and capture;
+a compiled step's first shape pays the compilation, later shapes what Dynamo
+recompiles for them). Then one request's whole flash run (4 unguided steps) and
+whole base run (32 guided steps) as auk_dit serves them on a GPU (its bucket,
+compiled and graphed) against the same runs stepped eagerly: the relative L2 of
+the latents.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
+
+The compile caches go to a fresh folder unless `--cache-dir` names one: run twice
+with the same folder for a warm start's figures. `--buckets` instead builds what
+auk_dit builds at load (its default buckets, compiled; `--variant flash` for
+unguided buckets only) and prints the time and memory that took.
+
+On a CPU (`--small`) nothing is graphed: each step is timed as it runs, and the
+compiled step uses Dynamo's `eager` backend (tracing without code generation;
+Inductor on a CPU takes minutes), so its figures check the script, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from auk_triton.cuda_graph import capture
+from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.buckets import ShapeBuckets
+from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request
+from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
+from auk_triton.serving.config import DiTSettings, use_compile_cache
+from common import compile_time_breakdown, heading, median_ms, rel_l2, say
+
+PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+
+def step_inputs(model, batch: int, frames: int, tokens: int, masked: bool, device, dtype):
+    """Seeded x [batch, frames, C], the context of `batch` unguided rows, and a grid time (CPU)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, frames, model.latent_dim, generator=g).to(device)
+    text = torch.randn(batch, tokens, model.text_hidden_dim, generator=g).to(device, dtype)
+    masks = {}
+    if masked:  # as a run that fills its bucket: masks present, every position valid
+        masks = dict(c_mask=torch.ones(batch, tokens, dtype=torch.bool, device=device),
+                     mask=torch.ones(batch, frames, dtype=torch.bool, device=device))
+    t = torch.tensor(FLASH_T_GRID[1])
+    with autocast(device, dtype):
+        ctx = model.prepare(text, frames, **masks)
+        table = model.modulation_table(torch.tensor(FLASH_T_GRID[:-1]))
+    return x, ctx, t, table
+
+
+def step_functions(model, x, ctx, t, table, blocks, device, dtype):
+    """The three steps, each a function of static buffers (what a graph captures)."""
+    x = x.clone()
+    t_device = t.to(device)
+    mod = table.lookup(t).clone()
+
+    def per_step():
+        with autocast(device, dtype):
+            return model.step(x, t_device, ctx)  # ctx has no table: the modulation is computed
+
+    def eager():
+        with autocast(device, dtype):
+            return model.velocity(x, mod, ctx)
+
+    def compiled():
+        with autocast(device, dtype):
+            return model.velocity(x, mod, ctx, blocks)
+
+    return dict(zip(PATHS, (per_step, eager, compiled)))
+
+
+def step_flops(fn) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
+    """(ms per step, seconds to build, velocity): a CUDA graph's replays on a GPU, calls on a CPU.
+
+    Building is the first call (a compiled step compiles then) and, on a GPU, the capture."""
+    began = time.perf_counter()
+    out = fn()
+    if device.type != "cuda":
+        built = time.perf_counter() - began
+        times = []
+        for _ in range(iters):
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+        return statistics.median(times), built, out
+    torch.cuda.synchronize()
+    graph, out = capture(fn, warmups=1)
+    torch.cuda.synchronize()
+    built = time.perf_counter() - began
+    return median_ms(graph.replay, iters=iters), built, out.clone()
+
+
+def sampler_config(model, variant: str = "base") -> dict:
+    return {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
+            "defaults": DEFAULTS}
+
+
+def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileOptions) -> dict[str, float]:
+    """Relative L2 of one request's latents, served (its bucket compiled and graphed) against eager."""
+    config = sampler_config(model)
+    eager = AuKDiTSampler(model, config, device, dtype)
+    text = torch.randn(tokens, model.text_hidden_dim, generator=torch.Generator().manual_seed(1))
+    recipes = {"flash (4 steps)": dict(t_grid=tuple(FLASH_T_GRID), guidance=0.0),
+               "base (32 guided steps)": dict(num_steps=32, guidance=2.0, sway=-1.0)}
+    requests = {name: Request(text, frames / eager.frame_rate, 7, **knobs) for name, knobs in recipes.items()}
+    target = eager.plan(requests["flash (4 steps)"]).frames  # frames, as the duration's ceil makes them
+    bucket = ShapeBuckets((tokens,), (target,), (), max_tokens=2 * (tokens + target), max_requests=1)
+    served = AuKDiTSampler(model, config, device, dtype, buckets=bucket, compile=options)
+    served.warmup()
+    results = {name: rel_l2(served.generate(r), eager.generate(r)) for name, r in requests.items()}
+    assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
+    return results
+
+
+def bucket_warmup(model, variant: str, device, dtype) -> None:
+    """Build auk_dit's default buckets as its initialize does, and say what that took."""
+    settings = DiTSettings()
+    sampler = AuKDiTSampler(model, sampler_config(model, variant), device, dtype, max_graphs=settings.max_graphs,
+                            buckets=settings.shape_buckets(), compile=CompileOptions())
+    seconds: dict[bool, float] = {False: 0.0, True: 0.0}
+
+    def on_bucket(shape, guided, graphs, took):
+        seconds[guided] += took
+        say(f"  bucket {shape.text} tokens, {shape.frames} frames, {shape.ref} reference frames, "
+            f"{'guided' if guided else 'unguided'}: {graphs} graphs in {took:.2f} s")
+
+    began = time.perf_counter()
+    sampler.warmup(on_bucket)
+    total = time.perf_counter() - began
+    say(f"{sampler.graphs.captures} graphs of {len(sampler.buckets.shapes())} buckets ({variant}) in {total:.1f} s "
+        f"(unguided {seconds[False]:.1f} s, guided {seconds[True]:.1f} s), "
+        f"{sampler.graphs.compile_failures} compiled captures failed; "
+        f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    say(compile_time_breakdown(8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="the tiny preset on the CPU: a smoke test")
+    parser.add_argument("--preset", default=None, help="synthetic DiT preset (default: auk, or small with --small)")
+    parser.add_argument("--device", default=None, help="default: cuda, or cpu with --small")
+    parser.add_argument("--frames", type=int, default=None, help="target frames (default 500; 24 with --small)")
+    parser.add_argument("--tokens", type=int, default=None, help="text tokens (default 64; 8 with --small)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--iters", type=int, default=None, help="replays timed per step (default 50; 3 on a CPU)")
+    parser.add_argument("--static", action="store_true", help="compile per shape instead of dynamic shapes")
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; eager on a CPU)")
+    parser.add_argument("--unmasked", action="store_true", help="a context without masks (an unpadded batch)")
+    parser.add_argument("--cache-dir", default=None, help="Inductor's and Triton's caches (default: a fresh folder)")
+    parser.add_argument("--buckets", action="store_true", help="time auk_dit's load: every default bucket's graphs")
+    parser.add_argument("--variant", default="base", choices=("base", "flash"), help="with --buckets")
+    args = parser.parse_args()
+    preset = args.preset or ("small" if args.small else "auk")
+    device = torch.device(args.device or ("cpu" if args.small else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --small for the CPU smoke test)")
+    if device.type == "cuda" or args.cache_dir:  # the CPU smoke test's eager backend writes no code
+        use_compile_cache(Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-dit-step-")))
+    frames = args.frames or (24 if args.small else 500)
+    tokens = args.tokens or (8 if args.small else 64)
+    iters = args.iters or (50 if device.type == "cuda" else 3)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
+
+    began = time.perf_counter()
+    model = synthetic_transformer(preset, seed=0, device=device, dtype=dtype)
+    say(heading(f"DiT step, {preset} (synthetic), {frames} frames + {tokens} tokens, {dtype}", device.type,
+                f", compile {backend} {'static' if args.static else 'dynamic'}")
+        + f" (model built in {time.perf_counter() - began:.0f} s)")
+    if args.buckets:
+        if device.type != "cuda":
+            sys.exit("--buckets captures CUDA graphs: it needs a GPU")
+        bucket_warmup(model, args.variant, device, dtype)
+        return
+    options = CompileOptions(dynamic=not args.static, backend=backend)
+    blocks = compiled_blocks(options)
+
+    rows = []
+    with torch.inference_mode():
+        for batch in args.batches:
+            x, ctx, t, table = step_inputs(model, batch, frames, tokens, not args.unmasked, device, dtype)
+            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype)
+            # The compiled step does the eager step's work; the per-step modulation adds its linears.
+            work = step_flops(fns[PATHS[1]])
+            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work}
+            say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
+                f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
+            results = {name: measure(fn, device, iters) for name, fn in fns.items()}
+            reference = results[PATHS[1]][2].float()
+            for name, (ms, built, out) in results.items():
+                rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
+                say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
+
+    say()
+    say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    for batch, name, ms, tflops, rel, built in rows:
+        say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
+    if device.type != "cuda":
+        return
+    say()
+    for name, rel in whole_runs(model, frames, tokens, device, dtype, options).items():
+        say(f"whole {name} run, served (compiled, graphed, its bucket) vs eager: relative L2 {rel:.2e} of the latents")
+    say(compile_time_breakdown(8))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Shape buckets (CPU, fp32): which bucket a request lands on, and padding up to it changes nothing."""
+
+import json
+
+import pytest
+import torch
+
+from auk_triton.diffusion.buckets import RunShape, ShapeBuckets
+from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.sampler import Request, load_sampler
+from auk_triton.diffusion.synthetic import PRESETS, write_synthetic_dit_checkpoint
+from auk_triton.diffusion.transformer import AuKTransformer
+
+VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
+TOLERANCE = 1e-5  # fp32: padding and masks, not rounding, would show above this
+BUCKETS = ShapeBuckets(text=(8, 16), frames=(16, 32), ref=(8, 24), max_tokens=4 * 2 * 56, max_requests=16)
+
+
+def _text(tokens, seed):
+    return torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(seed))
+
+
+def _ref(frames, seed):
+    return torch.randn(frames, 64, generator=torch.Generator().manual_seed(1000 + seed))
+
+
+def _max_error(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_a_request_lands_on_the_smallest_bucket_that_holds_each_of_its_lengths():
+    assert BUCKETS.shape(1, 1) == RunShape(8, 16, 0)
+    assert BUCKETS.shape(8, 16) == RunShape(8, 16, 0)  # a length equal to a bucket fills it
+    assert BUCKETS.shape(9, 17, 8) == RunShape(16, 32, 8)
+    assert BUCKETS.shape(3, 5, 9) == RunShape(8, 16, 24)
+    assert BUCKETS.shape(3, 5, 0) == RunShape(8, 16, 0)  # no reference: none padded in
+    # Past the largest of any list: no bucket (the request runs alone at its own shape).
+    assert BUCKETS.shape(17, 5) is None and BUCKETS.shape(3, 33) is None and BUCKETS.shape(3, 5, 25) is None
+    # Unsorted lists with repeats are the same buckets.
+    assert ShapeBuckets((16, 8, 8), (32, 16), (24, 8), 448, 16) == BUCKETS
+    assert len(BUCKETS.shapes()) == 2 * 2 * 3  # text x target x (no reference and two sizes)
+    with pytest.raises(ValueError, match="positive"):
+        ShapeBuckets((0, 8), (16,), (), 448, 16)
+
+
+def test_a_bucket_holds_the_requests_that_fit_its_token_budget_and_always_one():
+    shape = RunShape(8, 16, 0)  # 24 tokens a row
+    assert BUCKETS.requests(shape, guided=False) == 16  # 448 // 24 = 18, capped at max_requests
+    assert BUCKETS.requests(shape, guided=True) == 9  # guided rows count twice: 448 // 48
+    assert BUCKETS.requests(RunShape(16, 32, 24), guided=False) == 6  # 448 // 72
+    assert BUCKETS.requests(RunShape(16, 32, 24), guided=True) == 3
+    assert ShapeBuckets((8,), (16,), (), 10, 16).requests(shape, guided=True) == 1  # a request alone may exceed it
+    assert BUCKETS.graphs() == sum(BUCKETS.requests(s, g) for s in BUCKETS.shapes() for g in (False, True))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dit_buckets")
+    (path / "config.json").write_text(json.dumps({"vae": VAE_SECTION}))
+    return write_synthetic_dit_checkpoint(path, "small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    return load_sampler(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def bucketed(checkpoint):
+    return load_sampler(checkpoint, buckets=BUCKETS)
+
+
+def test_runs_gather_plans_of_one_bucket_up_to_what_it_holds_and_longer_ones_run_alone(bucketed):
+    small = [bucketed.plan(Request(_text(5, s), 0.2, s, num_steps=2, guidance=2.0)) for s in range(11)]  # (8, 16)
+    other = bucketed.plan(Request(_text(12, 0), 0.2, 0, num_steps=2, guidance=2.0))  # (16, 16)
+    long = bucketed.plan(Request(_text(5, 0), 0.8, 0, num_steps=2, guidance=2.0))  # 40 frames: past 32
+    assert bucketed.bucket(small[0]) == RunShape(8, 16, 0) and bucketed.bucket(long) is None
+    plans = small[:4] + [other, long] + small[4:] + [long]
+    runs = bucketed.runs(plans, max_requests=16)
+    assert runs == [[0, 1, 2, 3, 6, 7, 8, 9, 10], [4], [5], [11, 12], [13]]  # 9 guided requests fill (8, 16)
+    assert bucketed.runs(plans, max_requests=2)[:3] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_request_too_long_is_refused_as_before_buckets(bucketed):
+    bucketed.max_frames = 40
+    try:
+        with pytest.raises(ValueError, match="max_frames of 40"):
+            bucketed.plan(Request(_text(3, 0), 1.0, 0))
+        assert bucketed.plan(Request(_text(3, 0), 0.8, 0)).frames == 40  # past every bucket, not refused
+    finally:
+        bucketed.max_frames = None
+
+
+@torch.no_grad()
+def test_a_row_padded_up_to_its_bucket_gives_its_own_velocity():
+    torch.manual_seed(0)
+    model = AuKTransformer(latent_dim=64, **PRESETS["small"]).eval()
+    g = torch.Generator().manual_seed(3)
+    x, text, ref = torch.randn(1, 11, 64, generator=g), torch.randn(1, 5, 2048, generator=g), torch.randn(1, 6, 64, generator=g)
+    t = torch.tensor(0.4)
+    pad = lambda u, k: torch.cat([u, torch.zeros(1, k, u.shape[-1])], dim=1)  # noqa: E731
+    valid = lambda n, k: torch.cat([torch.ones(1, n, dtype=torch.bool), torch.zeros(1, k, dtype=torch.bool)], 1)  # noqa: E731
+    for guided in (False, True):
+        alone = model(x, text, t, ref=ref, cfg_infer=guided)
+        # Up to the bucket (16 tokens, 32 frames, 24 reference frames), as a bucketed run pads it.
+        padded = model(pad(x, 21), pad(text, 11), t, ref=pad(ref, 18), c_mask=valid(5, 11), ref_mask=valid(6, 18),
+                       mask=valid(11, 21), cfg_infer=guided)
+        assert padded.shape[1] == 32
+        assert _max_error(padded[:, :11], alone) < TOLERANCE
+
+
+@pytest.mark.parametrize("guidance", [0.0, 2.0], ids=["unguided", "guided"])
+def test_a_bucketed_run_of_mixed_lengths_gives_each_request_its_result_alone(plain, bucketed, guidance):
+    requests = [
+        Request(_text(5, 0), 0.2, 1, num_steps=3, guidance=guidance),
+        Request(_text(9, 1), 0.14, 2, num_steps=3, guidance=guidance * 0.75),
+        Request(_text(3, 2), 0.3, 3, num_steps=3, guidance=guidance, ref_latents=_ref(6, 2)),
+        Request(_text(11, 3), 0.3, 4, num_steps=3, guidance=guidance, ref_latents=_ref(4, 3)),
+    ]
+    plans = [bucketed.plan(r) for r in requests]
+    contexts = []
+    step = bucketed.model.step
+    bucketed.model.step = lambda x, t, ctx: contexts.append(ctx) or step(x, t, ctx)
+    try:
+        rows = bucketed.generate_batch(plans)
+    finally:
+        del bucketed.model.step
+    ctx = contexts[0]
+    assert ctx.c.shape[1] == 16 and ctx.n == 16 and ctx.prompt.shape[1] == 8  # the bucket (16, 16, 8)
+    assert ctx.joint_keys.dtype == torch.bool
+    for request, plan, row in zip(requests, plans, rows):
+        alone = plain.generate(request)  # no buckets, no padding, no masks
+        assert row.shape == alone.shape == (plan.frames, 64)
+        assert _max_error(row, alone) < TOLERANCE, (plan.frames, plan.text.shape)
+        assert _max_error(bucketed.generate(request), alone) < TOLERANCE  # a run of one, padded alone
+
+
+@torch.no_grad()
+def test_compiled_blocks_trace_whole_and_one_compilation_serves_every_bucket():
+    # Dynamo's tracing without code generation (the "eager" backend): fullgraph, so a graph
+    # break would raise; the GPU tests run Inductor's code.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AuKTransformer(latent_dim=64, **PRESETS["small"]).eval()
+    blocks = compiled_blocks(CompileOptions(backend="eager"))
+    mod = model.modulation_at(torch.tensor(0.3))
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for rows, frames, tokens, ref in ((2, 16, 8, 0), (3, 32, 16, 0), (2, 32, 8, 24)):
+        mask = torch.ones(rows, frames, dtype=torch.bool)
+        mask[0, -3:] = False
+        ref_latents = torch.randn(rows, ref, 64) if ref else None
+        ref_mask = torch.ones(rows, ref, dtype=torch.bool) if ref else None
+        ctx = model.prepare(torch.randn(rows, tokens, 2048), frames, mask=mask, ref=ref_latents, ref_mask=ref_mask)
+        x = torch.randn(rows, frames, 64)
+        assert torch.equal(model.velocity(x, mod, ctx, blocks), model.velocity(x, mod, ctx))
+        if ref == 0 and frames == 16:
+            compiled = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == compiled, "the other shapes reused the first compilation"
+    torch._dynamo.reset()
+
+
+class _StandInGraph:
+    """A CUDA graph's contract on the CPU: replay() runs the captured step again on the same
+    static buffers and writes the same output tensor."""
+
+    def __init__(self, run):
+        self.run, self.captured = run, run()
+
+    def replay(self):
+        self.captured.copy_(self.run())
+
+
+def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain, checkpoint, monkeypatch):
+    # The graph cache's bookkeeping on the CPU: warm-up contexts whose keys a run must find,
+    # smaller runs reading the front of a bucket's buffers, each run's inputs copied in.
+    from auk_triton.diffusion import step_graph
+
+    monkeypatch.setattr(step_graph, "capture", lambda run, pool, warmups: (graph := _StandInGraph(run), graph.captured))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    buckets = ShapeBuckets(text=(8, 16), frames=(16,), ref=(8,), max_tokens=4 * 2 * 40, max_requests=4)
+    sampler = load_sampler(checkpoint, buckets=buckets)
+    sampler.graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
+    sampler.warmup()
+    graphs = sampler.graphs
+    assert graphs.captures == buckets.graphs() == 4 * 2 * 4  # every bucket holds 4 requests, guided or not
+    requests = [
+        Request(_text(5, 0), 0.2, 1, num_steps=2, guidance=0.0),
+        Request(_text(12, 1), 0.3, 2, num_steps=2, guidance=2.0),
+        Request(_text(3, 2), 0.1, 3, num_steps=2, guidance=0.0, ref_latents=_ref(7, 2)),
+        Request(_text(7, 3), 0.3, 4, num_steps=2, guidance=1.5),
+    ]
+    for batch in ([requests[0]], requests[:2] * 2, [requests[2], requests[0]], [requests[3], requests[1], requests[3]]):
+        plans = [sampler.plan(r) for r in batch]
+        for run in sampler.runs(plans, max_requests=4):
+            rows = sampler.generate_batch([plans[i] for i in run])
+            for i, row in zip(run, rows):
+                assert _max_error(row, plain.generate(batch[i])) < TOLERANCE
+    assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (32, 0, 0)
+    sampler.generate(Request(_text(3, 4), 0.4, 5, num_steps=2, guidance=0.0))  # 20 frames: past the bucket
+    assert graphs.eager_runs == 1, "with max_graphs 0, a run past the buckets steps eagerly, counted"

@@ -1,0 +1,93 @@
+"""The compiled, bucketed DiT step on CUDA (skipped without a GPU): its accuracy against the eager
+bf16 step, and no capture or compilation at request time once the buckets are warm."""
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from auk_triton.diffusion import CompileOptions, Request, ShapeBuckets, load_sampler
+from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# Few buckets: each guidance mode x request count is a graph to capture at warm-up.
+BUCKETS = ShapeBuckets(text=(8,), frames=(32, 64), ref=(16,), max_tokens=3 * 2 * 88, max_requests=3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dit_compiled_gpu")
+    (path / "config.json").write_text(json.dumps({"vae": {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}}))
+    return write_synthetic_dit_checkpoint(path, "small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """The sampler as auk_dit serves it on a GPU: buckets, compiled step, warmed up."""
+    torch._dynamo.reset()
+    sampler = load_sampler(checkpoint, "cuda", max_graphs=4, buckets=BUCKETS, compile=CompileOptions())
+    sampler.warmup()
+    return sampler
+
+
+def _request(seed, seconds, tokens, ref_frames=0, **knobs):
+    g = torch.Generator().manual_seed(100 + seed)
+    text = torch.randn(tokens, 2048, generator=g)
+    ref = torch.randn(ref_frames, 64, generator=g) if ref_frames else None
+    return Request(text, seconds, seed, num_steps=4, ref_latents=ref, **knobs)
+
+
+def _rel_l2(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("guidance", [0.0, 2.0], ids=["unguided", "guided"])
+def test_the_compiled_graphed_step_follows_the_eager_bf16_step(served, guidance):
+    requests = [_request(1, 0.6, 7, guidance=guidance), _request(2, 0.3, 4, ref_frames=9, guidance=guidance)]
+    plans = [served.plan(r) for r in requests]
+    with torch.inference_mode():
+        ctx, noise, mask = served._batch_context(plans, plans[0].schedule.guided)
+        t = plans[0].schedule.grid[1]
+        with served._autocast():
+            eager = served.model.step(noise, t, ctx).float()  # the eager bf16 step on the same inputs
+        step = served.graphs.velocity(ctx, noise.shape)
+        assert step is not None and served.graphs.request_captures == 0, "a bucket graph from warm-up"
+        compiled = step(noise, t).float()
+    valid = mask.repeat(ctx.copies, 1)[..., None].expand_as(eager)
+    rel = _rel_l2(compiled[valid], eager[valid])
+    print(f"compiled vs eager bf16 velocity, guidance {guidance}: relative L2 {rel:.2e}")
+    assert rel <= 1e-2
+
+
+def test_a_whole_run_of_the_compiled_buckets_follows_the_eager_run(served, checkpoint):
+    eager = load_sampler(checkpoint, "cuda")  # bf16, no graphs, no buckets
+    for request in (_request(3, 1.0, 8, guidance=0.0), _request(4, 0.5, 6, ref_frames=12, guidance=2.0)):
+        rel = _rel_l2(served.generate(request), eager.generate(request))
+        print(f"compiled, bucketed run vs eager run: relative L2 {rel:.2e} of the latents")
+        assert rel <= 2e-2
+
+
+def test_requests_in_the_buckets_capture_and_compile_nothing(served):
+    graphs = served.graphs
+    assert graphs.captures == BUCKETS.graphs() and graphs.compile_failures == 0
+    compiled = counters["stats"]["unique_graphs"]
+    captures = graphs.captures
+    requests = [
+        _request(10, 0.1, 3, guidance=0.0), _request(11, 0.64, 8, guidance=0.0), _request(12, 1.28, 5, guidance=2.0),
+        _request(13, 0.5, 2, ref_frames=16, guidance=0.0), _request(14, 0.9, 8, ref_frames=3, guidance=3.0),
+    ]
+    for size in (1, 2, 3):  # runs of every request count each bucket holds
+        plans = [served.plan(r) for r in requests for _ in range(size)]
+        for run in served.runs(plans, max_requests=3):
+            results = served.generate_batch([plans[i] for i in run])
+            assert all(torch.isfinite(r).all() for r in results)
+    assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (captures, 0, 0)
+    assert counters["stats"]["unique_graphs"] == compiled, "no compilation at request time"
+    # A request past the largest bucket is the fallback, captured now and counted.
+    served.generate(_request(15, 2.0, 4, guidance=0.0))
+    assert graphs.request_captures == 1 and counters["stats"]["unique_graphs"] == compiled
