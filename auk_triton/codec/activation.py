@@ -163,8 +163,11 @@ class Activation1d(nn.Module):
         self.act = SnakeBeta(channels, logscale)
         self.upsample = UpSample1d()
         self.downsample = DownSample1d(causal)
-        # The fused kernel's settings (AuKVAE.configure_decoder), or None for the eager ops.
+        # The fused kernel's settings and the kernel itself (activation_kernel.fused_activation),
+        # both set by AuKVAE.configure_decoder, or None for the eager ops. Handed in rather than
+        # imported here: the kernel's module imports this one.
         self.kernel: ActivationKernel | None = None
+        self.fused = None
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -172,9 +175,7 @@ class Activation1d(nn.Module):
         """act(x), or act(x + bias) with a per-channel `bias` (the preceding conv's), stored as
         `out_dtype` (default: x's dtype)."""
         if self.kernel is not None and x.is_cuda:
-            from .activation_kernel import fused_activation
-
-            return fused_activation(x, self, bias=bias, kernel=self.kernel, out_dtype=out_dtype)
+            return self.fused(x, self, bias=bias, kernel=self.kernel, out_dtype=out_dtype)
         return self.eager(x, bias, out_dtype)
 
     def eager(

@@ -447,9 +447,12 @@ class AuKVAE(nn.Module):
         if dtype == torch.float32 and self.decoder_dtype != torch.float32:
             raise ValueError(f"the decoder's weights are already rounded to {self.decoder_dtype}; "
                              "load the checkpoint again for a float32 decoder")
+        fused = None
+        if activation_kernel is not None:  # Triton is imported only when the kernel is asked for
+            from .activation_kernel import fused_activation as fused
         for module in self.modules():
             if isinstance(module, Activation1d):
-                module.kernel = activation_kernel
+                module.kernel, module.fused = activation_kernel, fused
         self.channels_last = bool(channels_last)
         self.fold_below, self.fold_to = int(fold_below), int(fold_to)
         self.decoder_dtype = dtype

@@ -377,7 +377,7 @@ def test_the_op_compiles_without_a_graph_break_and_passes_opcheck():
     act = Activation1d(64).requires_grad_(False).cuda()
     act.act.alpha.normal_(0, 0.5)
     act.act.beta.normal_(0, 0.5)
-    act.kernel = ActivationKernel()
+    act.kernel, act.fused = ActivationKernel(), fa.fused_activation
     x = torch.randn(1, 64, 3000, device="cuda")
     compiled = torch.compile(lambda t: act(t * 1.0) + 1.0, fullgraph=True)
     with torch.no_grad():
