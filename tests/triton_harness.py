@@ -469,7 +469,7 @@ def library_tiles(vae, latents, server) -> list:
 
 
 def documented_pcm16(wave):
-    """The README's conversion, written out here independently of the code under test:
+    """docs/client.md's conversion, written out here independently of the code under test:
     clip to [-1, 1], round(x * 32767) to nearest, ties to even."""
     import numpy as np
 

@@ -9,7 +9,7 @@ decoder's buckets have no such problem). A graph therefore pays only where the
 same length comes back, and a new length costs warm-up runs and a capture first
 (`benchmarks/bench_edit.py` measures both).
 
-The posterior sample (`seed`) follows the reference pipeline (AUK_DIT.md 7.1): its
+The posterior sample (`seed`) follows the reference pipeline (the AuK DiT spec, editing): its
 own generator, seeded with (request seed + 0x5EED0A0C) mod 2^63, so the diffusion
 noise of the same request stays that of an unsampled run.
 

@@ -15,12 +15,12 @@ inside the model then resolve to this environment.
     python -m auk_triton.front_door.launcher [extra tritonserver arguments]
 
 It reads the AUK_* variables through `config` (ports, model repository, cache
-folder, device, models to load; the README lists them with their defaults).
+folder, device, models to load; docs/serving.md lists them with their defaults).
 `AUK_DEVICE=gpu` (or `auto` with CUDA present) serves the models'
 `configs/gpu.pbtxt` through `--model-config-name`. A relative `AUK_CHECKPOINT`
 is made absolute here, so it means the directory the server starts in.
 
-`main` (`make serve`, the image's command) puts the front door (`front_door.py`)
+`main` (`make serve`, the image's command) puts the front door (`app.py`)
 on the public HTTP and gRPC ports and runs tritonserver behind it on loopback
 (AUK_INTERNAL_*_PORT), its metrics port public. It supervises the server: one that
 dies is logged with its status and restarted after a back-off (1 s, doubling to 30 s;

@@ -278,7 +278,7 @@ class EncodeSettings:
     checkpoint: str = ""
     max_frames: int = DEFAULT_MAX_FRAMES  # the longest clip, in whole frames (the decoder's own limit)
     # GPU: replay the encoder as CUDA graphs, one per sample count. Off: a request of a new
-    # length pays warm-ups and a capture, and served lengths rarely repeat (README, auk_vae_encode).
+    # length pays warm-ups and a capture, and served lengths rarely repeat (docs/pipeline.md).
     enable_cuda_graphs: bool = False
     max_graphs: int = 8
     cache_dir: Path = DEFAULT_CACHE_DIR

@@ -5,7 +5,7 @@ One response per request (not decoupled), no batch axis. Inputs:
 - AUDIO FP32 [samples]: mono, at the codec's rate (24 kHz), in [-1, 1]; cut to whole
   480-sample frames before encoding, as the reference pipeline does;
 - optional SEED INT64 [1]: sample the posterior with a generator seeded
-  (SEED + 0x5EED0A0C) mod 2^63 (AUK_DIT.md 7.1); without it, the posterior mean.
+  (SEED + 0x5EED0A0C) mod 2^63 (the AuK DiT spec, editing); without it, the posterior mean.
 
 Output LATENTS FP32 [samples // 480, 64], ready for auk_dit's REF_LATENTS or the
 decoder. A request shorter than one frame, longer than `max_frames` frames, or with

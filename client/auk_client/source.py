@@ -1,4 +1,4 @@
-"""A source clip for editing, prepared as the reference pipeline prepares it (AUK_DIT.md 7.1):
+"""A source clip for editing, prepared as the reference pipeline prepares it (the AuK DiT spec, editing):
 read a WAV (PCM16 or 32-bit float, any rate and channel count), mix it down to mono (the mean
 over channels), resample it to 24 kHz with soxr. The server cuts it to whole 480-sample frames.
 

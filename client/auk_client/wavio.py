@@ -1,6 +1,6 @@
 """Audio sinks for decoded tiles: a seekable WAV file and a raw PCM16 stream.
 
-Sample conversion to PCM16 (used by both sinks and documented in the README):
+Sample conversion to PCM16 (used by both sinks and documented in docs/client.md):
 clip to [-1, 1], multiply by 32767, round to the nearest integer (ties to
 even, as numpy and Python's `round` do), store as signed 16-bit little-endian.
 So 1.0 -> 32767, -1.0 -> -32767, and -32768 is never produced.

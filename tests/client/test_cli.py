@@ -3,7 +3,7 @@ and the client as a distribution of its own that never needs torch.
 
 Every audio check compares with the library: `AuKVAEDecodeGraph.decode_tiles`
 with the server's tile size on the checkpoint the server loaded, converted to
-PCM16 the way the README documents it (clip to [-1, 1], round(x * 32767)),
+PCM16 the way docs/client.md documents it (clip to [-1, 1], round(x * 32767)),
 written out here independently of the client's own conversion code. PCM16 must
 match exactly; float32 within 1e-6.
 """

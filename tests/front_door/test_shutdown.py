@@ -10,7 +10,7 @@ window) and only then signals tritonserver, which finds nothing to wait for.
 A bare tritonserver drains a live stream to its end (or stops it at its next window once
 its client cancels it) within its exit timeout too. But on it, a stream whose decode
 outlasts the timeout, or a gRPC stream its client keeps open after its last response,
-keeps Triton 2.51 to the timeout ("Exiting immediately"); README, "Stopping the server"."""
+keeps Triton 2.51 to the timeout ("Exiting immediately"); docs/front-door.md, "The stop"."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_the_shipped_encoder_config_parses_to_the_documented_defaults(tmp_path):
     settings = EncodeSettings.from_model_config(shipped_config("auk_vae_encode"), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
     assert settings == EncodeSettings(cache_dir=Path("/c"))
     assert (settings.checkpoint, settings.max_frames, settings.max_graphs) == ("", 30000, 8)
-    assert settings.enable_cuda_graphs is False, "eager unless configured (README, auk_vae_encode)"
+    assert settings.enable_cuda_graphs is False, "eager unless configured (docs/serving.md, auk_vae_encode)"
     config = {"parameters": {"max_frames": {"string_value": "0"}}}
     with pytest.raises(ValueError, match="max_frames is 0; it must be at least 1"):
         EncodeSettings.from_model_config(config, tmp_path, environ={})

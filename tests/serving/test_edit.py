@@ -29,7 +29,7 @@ HOP, RATE = 480, 24000
 CONFORMANCE = REPO_ROOT / "tests" / "data" / "auk_vae_tiny"
 ENCODE_MAX_FRAMES = 250  # the served encoder's max_frames here: 5 s
 DIT_MAX_FRAMES = 400  # auk_dit's here: reference + target
-SPEC_SEED_OFFSET = 1_592_592_908  # 0x5EED0A0C, AUK_DIT.md 7.1
+SPEC_SEED_OFFSET = 1_592_592_908  # 0x5EED0A0C, the AuK DiT spec, editing
 
 
 def set_parameter(config, key: str, value: str) -> None:
