@@ -8,6 +8,8 @@ import torch
 from auk_triton.diffusion.sampler import Request, SamplingStopped, load_sampler, run_key, sampler_runs, time_grid, Schedule
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 
+from dit_inputs import max_error, prompt, reference  # beside this file
+
 VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
 TOLERANCE = 1e-5  # fp32: padding and masks, not rounding, would show above this
 
@@ -20,29 +22,17 @@ def sampler(tmp_path_factory):
     return load_sampler(ckpt)
 
 
-def _text(tokens, seed):
-    return torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(seed))
-
-
-def _ref(frames, seed):
-    return torch.randn(frames, 64, generator=torch.Generator().manual_seed(1000 + seed))
-
-
-def _max_error(a, b):
-    return float((a - b).abs().max() / b.abs().max())
-
-
 # Prompts, targets and references of different lengths, seeds and guidance scales of their own.
 GUIDED = [
-    Request(_text(5, 0), 0.2, 1, num_steps=3, guidance=2.0),
-    Request(_text(9, 1), 0.14, 2, num_steps=3, guidance=1.5),
-    Request(_text(3, 2), 0.3, 3, num_steps=3, guidance=2.0, ref_latents=_ref(6, 2)),
-    Request(_text(9, 3), 0.3, 4, num_steps=3, guidance=3.0, ref_latents=_ref(4, 3)),
+    Request(prompt(5, 0), 0.2, 1, num_steps=3, guidance=2.0),
+    Request(prompt(9, 1), 0.14, 2, num_steps=3, guidance=1.5),
+    Request(prompt(3, 2), 0.3, 3, num_steps=3, guidance=2.0, ref_latents=reference(6, 2)),
+    Request(prompt(9, 3), 0.3, 4, num_steps=3, guidance=3.0, ref_latents=reference(4, 3)),
 ]
 UNGUIDED = [
-    Request(_text(4, 4), 0.3, 5, num_steps=2, guidance=0.0),
-    Request(_text(7, 5), 0.1, 6, num_steps=2, guidance=0.0, ref_latents=_ref(5, 5)),
-    Request(_text(7, 6), 0.3, 7, num_steps=2, guidance=0.0),
+    Request(prompt(4, 4), 0.3, 5, num_steps=2, guidance=0.0),
+    Request(prompt(7, 5), 0.1, 6, num_steps=2, guidance=0.0, ref_latents=reference(5, 5)),
+    Request(prompt(7, 6), 0.3, 7, num_steps=2, guidance=0.0),
 ]
 
 
@@ -54,26 +44,26 @@ def test_a_batched_request_equals_its_alone_result(sampler, requests):
     for request, plan, row in zip(requests, plans, batched):
         alone = sampler.generate(request)
         assert row.shape == alone.shape == (plan.frames, 64)
-        assert _max_error(row, alone) < TOLERANCE, (plan.frames, plan.text.shape)
+        assert max_error(row, alone) < TOLERANCE, (plan.frames, plan.text.shape)
 
 
 def test_padding_does_not_reach_a_row_whatever_the_batch_around_it(sampler):
     # The same request next to a longer prompt, a longer target, and a reference: each time
     # it is padded differently (text, target, reference) and each time it is itself.
-    me = Request(_text(4, 7), 0.1, 8, num_steps=2, guidance=0.0)
+    me = Request(prompt(4, 7), 0.1, 8, num_steps=2, guidance=0.0)
     alone = sampler.generate(me)
     for other in (
-        Request(_text(12, 8), 0.1, 9, num_steps=2, guidance=0.0),
-        Request(_text(4, 9), 0.4, 9, num_steps=2, guidance=0.0),
-        Request(_text(2, 10), 0.04, 9, num_steps=2, guidance=0.0, ref_latents=_ref(8, 10)),
+        Request(prompt(12, 8), 0.1, 9, num_steps=2, guidance=0.0),
+        Request(prompt(4, 9), 0.4, 9, num_steps=2, guidance=0.0),
+        Request(prompt(2, 10), 0.04, 9, num_steps=2, guidance=0.0, ref_latents=reference(8, 10)),
     ):
         rows = sampler.generate_batch([sampler.plan(other), sampler.plan(me)])
-        assert _max_error(rows[1], alone) < TOLERANCE
-        assert _max_error(rows[0], sampler.generate(other)) < TOLERANCE
+        assert max_error(rows[1], alone) < TOLERANCE
+        assert max_error(rows[0], sampler.generate(other)) < TOLERANCE
 
 
 def test_an_unpadded_batch_takes_no_masks_and_each_row_keeps_its_own_noise(sampler, monkeypatch):
-    requests = [Request(_text(6, s), 0.1, s, num_steps=2, guidance=0.0) for s in (20, 21)]
+    requests = [Request(prompt(6, s), 0.1, s, num_steps=2, guidance=0.0) for s in (20, 21)]
     contexts = []
     step = sampler.model.step
     monkeypatch.setattr(sampler.model, "step", lambda x, t, ctx: contexts.append(ctx) or step(x, t, ctx))
@@ -81,26 +71,26 @@ def test_an_unpadded_batch_takes_no_masks_and_each_row_keeps_its_own_noise(sampl
     assert all(c.joint_keys is None and c.target_mask is None for c in contexts)
     assert [c.c.shape[0] for c in contexts] == [2, 2], "one forward of both rows per step"
     monkeypatch.undo()
-    assert _max_error(rows[0], sampler.generate(requests[0])) < TOLERANCE
+    assert max_error(rows[0], sampler.generate(requests[0])) < TOLERANCE
     assert not torch.equal(rows[0], rows[1])
 
 
 def test_a_row_that_fails_fails_alone_and_the_others_get_their_latents(sampler):
-    good = [Request(_text(5, 11), 0.1, 1, num_steps=2), Request(_text(3, 12), 0.2, 2, num_steps=2)]
+    good = [Request(prompt(5, 11), 0.1, 1, num_steps=2), Request(prompt(3, 12), 0.2, 2, num_steps=2)]
     overflowing = Request(torch.full((2, 2048), 3e38), 0.1, 3, num_steps=2)  # finite, overflows the DiT
     rows = sampler.generate_batch([sampler.plan(good[0]), sampler.plan(overflowing), sampler.plan(good[1])])
     assert isinstance(rows[1], RuntimeError) and "non-finite" in str(rows[1])
     for request, row in zip(good, (rows[0], rows[2])):
-        assert _max_error(row, sampler.generate(request)) < TOLERANCE
+        assert max_error(row, sampler.generate(request)) < TOLERANCE
 
 
 def test_a_stopped_row_is_stopped_alone_and_a_run_of_stopped_rows_ends(sampler, monkeypatch):
-    requests = [Request(_text(5, s), 0.1, s, num_steps=4, guidance=0.0) for s in (30, 31)]
+    requests = [Request(prompt(5, s), 0.1, s, num_steps=4, guidance=0.0) for s in (30, 31)]
     plans = [sampler.plan(r) for r in requests]
     answers = iter([False, False, True])  # row 1 goes before step 3 (asked: start, step 2, step 3)
     rows = sampler.generate_batch(plans, [None, lambda: next(answers)])
     assert isinstance(rows[1], SamplingStopped) and "before step 3 of 4" in str(rows[1])
-    assert _max_error(rows[0], sampler.generate(requests[0])) < TOLERANCE
+    assert max_error(rows[0], sampler.generate(requests[0])) < TOLERANCE
 
     steps = []
     step = sampler.model.step
@@ -111,17 +101,17 @@ def test_a_stopped_row_is_stopped_alone_and_a_run_of_stopped_rows_ends(sampler, 
 
 
 def test_plans_of_different_grids_or_guidance_modes_do_not_share_a_run(sampler):
-    base = Request(_text(3, 0), 0.1, 0, num_steps=2, guidance=2.0)
-    for other in (Request(_text(3, 0), 0.1, 0, num_steps=3, guidance=2.0),
-                  Request(_text(3, 0), 0.1, 0, num_steps=2, guidance=0.0),
-                  Request(_text(3, 0), 0.1, 0, num_steps=2, guidance=2.0, sway=0.0)):
+    base = Request(prompt(3, 0), 0.1, 0, num_steps=2, guidance=2.0)
+    for other in (Request(prompt(3, 0), 0.1, 0, num_steps=3, guidance=2.0),
+                  Request(prompt(3, 0), 0.1, 0, num_steps=2, guidance=0.0),
+                  Request(prompt(3, 0), 0.1, 0, num_steps=2, guidance=2.0, sway=0.0)):
         plans = [sampler.plan(base), sampler.plan(other)]
         assert run_key(plans[0].schedule) != run_key(plans[1].schedule)
         with pytest.raises(ValueError, match="cannot share a sampler run"):
             sampler.generate_batch(plans)
     # Guidance scales may differ: one run.
     assert run_key(sampler.plan(base).schedule) == run_key(sampler.plan(
-        Request(_text(3, 0), 0.1, 0, num_steps=2, guidance=4.0)).schedule)
+        Request(prompt(3, 0), 0.1, 0, num_steps=2, guidance=4.0)).schedule)
 
 
 def test_runs_gather_the_requests_of_one_key_in_order_up_to_the_row_limit():

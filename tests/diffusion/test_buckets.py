@@ -11,21 +11,11 @@ from auk_triton.diffusion.sampler import Request, load_sampler
 from auk_triton.diffusion.synthetic import PRESETS, write_synthetic_dit_checkpoint
 from auk_triton.diffusion.transformer import AuKTransformer
 
+from dit_inputs import max_error, prompt, reference  # beside this file
+
 VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
 TOLERANCE = 1e-5  # fp32: padding and masks, not rounding, would show above this
 BUCKETS = ShapeBuckets(text=(8, 16), frames=(16, 32), ref=(8, 24), max_tokens=4 * 2 * 56, max_requests=16)
-
-
-def _text(tokens, seed):
-    return torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(seed))
-
-
-def _ref(frames, seed):
-    return torch.randn(frames, 64, generator=torch.Generator().manual_seed(1000 + seed))
-
-
-def _max_error(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_a_request_lands_on_the_smallest_bucket_that_holds_each_of_its_lengths():
@@ -71,9 +61,9 @@ def bucketed(checkpoint):
 
 
 def test_runs_gather_plans_of_one_bucket_up_to_what_it_holds_and_longer_ones_run_alone(bucketed):
-    small = [bucketed.plan(Request(_text(5, s), 0.2, s, num_steps=2, guidance=2.0)) for s in range(11)]  # (8, 16)
-    other = bucketed.plan(Request(_text(12, 0), 0.2, 0, num_steps=2, guidance=2.0))  # (16, 16)
-    long = bucketed.plan(Request(_text(5, 0), 0.8, 0, num_steps=2, guidance=2.0))  # 40 frames: past 32
+    small = [bucketed.plan(Request(prompt(5, s), 0.2, s, num_steps=2, guidance=2.0)) for s in range(11)]  # (8, 16)
+    other = bucketed.plan(Request(prompt(12, 0), 0.2, 0, num_steps=2, guidance=2.0))  # (16, 16)
+    long = bucketed.plan(Request(prompt(5, 0), 0.8, 0, num_steps=2, guidance=2.0))  # 40 frames: past 32
     assert bucketed.bucket(small[0]) == RunShape(8, 16, 0) and bucketed.bucket(long) is None
     plans = small[:4] + [other, long] + small[4:] + [long]
     runs = bucketed.runs(plans, max_requests=16)
@@ -85,8 +75,8 @@ def test_a_request_too_long_is_refused_as_before_buckets(bucketed):
     bucketed.max_frames = 40
     try:
         with pytest.raises(ValueError, match="max_frames of 40"):
-            bucketed.plan(Request(_text(3, 0), 1.0, 0))
-        assert bucketed.plan(Request(_text(3, 0), 0.8, 0)).frames == 40  # past every bucket, not refused
+            bucketed.plan(Request(prompt(3, 0), 1.0, 0))
+        assert bucketed.plan(Request(prompt(3, 0), 0.8, 0)).frames == 40  # past every bucket, not refused
     finally:
         bucketed.max_frames = None
 
@@ -106,16 +96,16 @@ def test_a_row_padded_up_to_its_bucket_gives_its_own_velocity():
         padded = model(pad(x, 21), pad(text, 11), t, ref=pad(ref, 18), c_mask=valid(5, 11), ref_mask=valid(6, 18),
                        mask=valid(11, 21), cfg_infer=guided)
         assert padded.shape[1] == 32
-        assert _max_error(padded[:, :11], alone) < TOLERANCE
+        assert max_error(padded[:, :11], alone) < TOLERANCE
 
 
 @pytest.mark.parametrize("guidance", [0.0, 2.0], ids=["unguided", "guided"])
 def test_a_bucketed_run_of_mixed_lengths_gives_each_request_its_result_alone(plain, bucketed, guidance):
     requests = [
-        Request(_text(5, 0), 0.2, 1, num_steps=3, guidance=guidance),
-        Request(_text(9, 1), 0.14, 2, num_steps=3, guidance=guidance * 0.75),
-        Request(_text(3, 2), 0.3, 3, num_steps=3, guidance=guidance, ref_latents=_ref(6, 2)),
-        Request(_text(11, 3), 0.3, 4, num_steps=3, guidance=guidance, ref_latents=_ref(4, 3)),
+        Request(prompt(5, 0), 0.2, 1, num_steps=3, guidance=guidance),
+        Request(prompt(9, 1), 0.14, 2, num_steps=3, guidance=guidance * 0.75),
+        Request(prompt(3, 2), 0.3, 3, num_steps=3, guidance=guidance, ref_latents=reference(6, 2)),
+        Request(prompt(11, 3), 0.3, 4, num_steps=3, guidance=guidance, ref_latents=reference(4, 3)),
     ]
     plans = [bucketed.plan(r) for r in requests]
     contexts = []
@@ -131,8 +121,8 @@ def test_a_bucketed_run_of_mixed_lengths_gives_each_request_its_result_alone(pla
     for request, plan, row in zip(requests, plans, rows):
         alone = plain.generate(request)  # no buckets, no padding, no masks
         assert row.shape == alone.shape == (plan.frames, 64)
-        assert _max_error(row, alone) < TOLERANCE, (plan.frames, plan.text.shape)
-        assert _max_error(bucketed.generate(request), alone) < TOLERANCE  # a run of one, padded alone
+        assert max_error(row, alone) < TOLERANCE, (plan.frames, plan.text.shape)
+        assert max_error(bucketed.generate(request), alone) < TOLERANCE  # a run of one, padded alone
 
 
 @torch.no_grad()
@@ -186,17 +176,17 @@ def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain
     graphs = sampler.graphs
     assert graphs.captures == buckets.graphs() == 4 * 2 * 4  # every bucket holds 4 requests, guided or not
     requests = [
-        Request(_text(5, 0), 0.2, 1, num_steps=2, guidance=0.0),
-        Request(_text(12, 1), 0.3, 2, num_steps=2, guidance=2.0),
-        Request(_text(3, 2), 0.1, 3, num_steps=2, guidance=0.0, ref_latents=_ref(7, 2)),
-        Request(_text(7, 3), 0.3, 4, num_steps=2, guidance=1.5),
+        Request(prompt(5, 0), 0.2, 1, num_steps=2, guidance=0.0),
+        Request(prompt(12, 1), 0.3, 2, num_steps=2, guidance=2.0),
+        Request(prompt(3, 2), 0.1, 3, num_steps=2, guidance=0.0, ref_latents=reference(7, 2)),
+        Request(prompt(7, 3), 0.3, 4, num_steps=2, guidance=1.5),
     ]
     for batch in ([requests[0]], requests[:2] * 2, [requests[2], requests[0]], [requests[3], requests[1], requests[3]]):
         plans = [sampler.plan(r) for r in batch]
         for run in sampler.runs(plans, max_requests=4):
             rows = sampler.generate_batch([plans[i] for i in run])
             for i, row in zip(run, rows):
-                assert _max_error(row, plain.generate(batch[i])) < TOLERANCE
+                assert max_error(row, plain.generate(batch[i])) < TOLERANCE
     assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (32, 0, 0)
-    sampler.generate(Request(_text(3, 4), 0.4, 5, num_steps=2, guidance=0.0))  # 20 frames: past the bucket
+    sampler.generate(Request(prompt(3, 4), 0.4, 5, num_steps=2, guidance=0.0))  # 20 frames: past the bucket
     assert graphs.eager_runs == 1, "with max_graphs 0, a run past the buckets steps eagerly, counted"
