@@ -274,3 +274,59 @@ def test_streams_at_once_on_separate_connections_and_on_one_stay_exact_and_indep
             for rep in range(2):
                 mine = [r for r in responses if not r.error_message and r.infer_response.id == f"{name}/{rep}"]
                 np.testing.assert_allclose(streamed_waveform(mine), expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritonclients_calls_pass_through_the_front_door_over_grpc_and_http(front_door, protocol):
+    """Health, metadata, config, statistics, the repository index and system shared memory for
+    the input and the output, as tritonclient makes them: each answered through the front door,
+    and a decode through shared memory equal to the same decode sent inline."""
+    import os
+    from multiprocessing import shared_memory
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    module, url = (grpcclient, front_door.grpc_url) if protocol == "grpc" else (httpclient, front_door.http_url)
+    as_json = {"as_json": True} if protocol == "grpc" else {}
+    client = module.InferenceServerClient(url)
+    clip = latents(30, seed=77)
+    tag = f"auk_front_{protocol}_{os.getpid()}"
+    regions = {"in": shared_memory.SharedMemory(name=f"{tag}_in", create=True, size=clip.nbytes),
+               "out": shared_memory.SharedMemory(name=f"{tag}_out", create=True, size=30 * 480 * 2)}
+    np.ndarray(clip.shape, np.float32, buffer=regions["in"].buf)[:] = clip
+    try:
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(OFFLINE)
+        assert client.get_server_metadata(**as_json)["name"] == "triton"
+        assert [t["name"] for t in client.get_model_metadata(OFFLINE, **as_json)["inputs"]] == ["LATENTS"]
+        config = client.get_model_config(OFFLINE, **as_json)
+        assert config.get("config", config)["name"] == OFFLINE  # gRPC wraps it, HTTP does not
+        assert client.get_inference_statistics(OFFLINE, **as_json)["model_stats"][0]["name"] == OFFLINE
+        index = client.get_model_repository_index(**as_json)
+        names = {m["name"] for m in (index["models"] if protocol == "grpc" else index)}
+        assert {OFFLINE, STREAMING} <= names
+
+        inline = module.InferInput("LATENTS", [30, 64], "FP32")
+        inline.set_data_from_numpy(clip)
+        expected = client.infer(OFFLINE, [inline], outputs=[module.InferRequestedOutput("WAVEFORM_PCM16")]).as_numpy(
+            "WAVEFORM_PCM16")
+        for key, region in regions.items():
+            client.register_system_shared_memory(f"{tag}_{key}", f"/{tag}_{key}", region.size)
+        status = client.get_system_shared_memory_status(**as_json)
+        registered = status["regions"] if protocol == "grpc" else {r["name"]: r for r in status}
+        assert {f"{tag}_in", f"{tag}_out"} <= set(registered)
+        shared_in = module.InferInput("LATENTS", [30, 64], "FP32")
+        shared_in.set_shared_memory(f"{tag}_in", clip.nbytes)
+        shared_out = module.InferRequestedOutput("WAVEFORM_PCM16")
+        shared_out.set_shared_memory(f"{tag}_out", regions["out"].size)
+        client.infer(OFFLINE, [shared_in], outputs=[shared_out])
+        np.testing.assert_array_equal(np.ndarray(expected.shape, np.int16, buffer=regions["out"].buf), expected)
+    finally:
+        try:
+            client.unregister_system_shared_memory()
+        finally:
+            client.close()
+            for region in regions.values():
+                region.close()
+                region.unlink()
+    assert front_door.is_ready()
