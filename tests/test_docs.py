@@ -30,7 +30,7 @@ NOT_REPOSITORY_FILES = {"auk.safetensors", "vae.safetensors", "model.py"}
 # Python packages a page may name by a dotted name, and where their sources are.
 PACKAGES = {"auk_triton": ROOT / "auk_triton", "auk_client": ROOT / "client" / "auk_client"}
 PLACEHOLDER_MARKS = ("<", ">", "*", "{", "}", "$", "~", "%", "...", "|")
-MACHINE_PATHS = re.compile(r"(?<![\w.])(/work/|/home/\w|/Users/\w|/root/)")
+MACHINE_PATHS = re.compile(r"(?<![\w.])(/home/\w|/Users/\w|/root/)")
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)((?:(?!\n[ \t]*\n).)+?)\1", re.DOTALL)

@@ -417,6 +417,16 @@ class DecodeStream:
         self.client.close()
 
 
+def decode_once(url: str, latents, request_id: str = "0") -> StreamOutcome:
+    """One streamed decode on a stream of its own, to the end."""
+    stream = DecodeStream(url)
+    try:
+        stream.send(latents, request_id=request_id)
+        return stream.collect()[request_id]
+    finally:
+        stream.close()
+
+
 @pytest.fixture
 def open_stream(triton):
     """A factory of gRPC streams to the session's server, closed after the test."""

@@ -25,6 +25,7 @@ import json
 import sys
 from typing import Mapping
 
+import grpc
 from tritonclient.grpc import service_pb2
 
 from . import http_infer
@@ -131,8 +132,6 @@ class HttpFront:
         """One ModelInfer call upstream, cancelled when this client goes (the runner cancels
         the handler) or when a stop cuts it; answered as Triton's HTTP endpoint would."""
         from aiohttp import web
-
-        import grpc
 
         call = self.grpc_upstream.unary(GRPC_SERVICE + "ModelInfer")(upstream.SerializeToString(), wait_for_ready=self.state.running)
         flight = self.state.take_off(call.cancel)

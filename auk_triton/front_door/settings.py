@@ -70,16 +70,19 @@ def stop_drain_seconds(exit_timeout_s: float) -> float:
 # ---- AUK_* environment variables ------------------------------------------------------------
 
 
-def port(environ: Mapping[str, str], kind: str) -> int:
-    """AUK_<KIND>_PORT (kind: http, grpc, metrics), else its default."""
-    name = f"AUK_{kind.upper()}_PORT"
+def _port_variable(environ: Mapping[str, str], name: str, default: int) -> int:
     value = environ.get(name, "").strip()
     if not value:
-        return DEFAULT_PORTS[kind]
+        return default
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_PORTS[kind]}") from None
+        raise ValueError(f"{name} is {value!r}; it must be a port number such as {default}") from None
+
+
+def port(environ: Mapping[str, str], kind: str) -> int:
+    """AUK_<KIND>_PORT (kind: http, grpc, metrics), else its default."""
+    return _port_variable(environ, f"AUK_{kind.upper()}_PORT", DEFAULT_PORTS[kind])
 
 
 def address(environ: Mapping[str, str] = os.environ) -> str:
@@ -90,14 +93,7 @@ def address(environ: Mapping[str, str] = os.environ) -> str:
 def internal_port(environ: Mapping[str, str], kind: str) -> int:
     """AUK_INTERNAL_<KIND>_PORT (kind: http, grpc): tritonserver's own port on loopback,
     behind the front door."""
-    name = f"AUK_INTERNAL_{kind.upper()}_PORT"
-    value = environ.get(name, "").strip()
-    if not value:
-        return DEFAULT_INTERNAL_PORTS[kind]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} is {value!r}; it must be a port number such as {DEFAULT_INTERNAL_PORTS[kind]}") from None
+    return _port_variable(environ, f"AUK_INTERNAL_{kind.upper()}_PORT", DEFAULT_INTERNAL_PORTS[kind])
 
 
 def restarts_enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -20,7 +20,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from triton_harness import FRONT_MAX_FRAMES, DecodeStream, library_tiles
+from triton_harness import FRONT_MAX_FRAMES, DecodeStream, decode_once, library_tiles
 
 MAX_FRAMES = FRONT_MAX_FRAMES
 OFFLINE = "auk_vae_decode_offline"
@@ -96,12 +96,7 @@ def two_gigabyte_request_error(url: str) -> str:
 
 def assert_streams_the_library_decode(front, reference_vae, frames: int = 100) -> None:
     latents = make_latents(frames, seed=frames)
-    stream = DecodeStream(front.grpc_url)
-    try:
-        stream.send(latents, request_id="next")
-        outcome = stream.collect()["next"]
-    finally:
-        stream.close()
+    outcome = decode_once(front.grpc_url, latents)
     assert outcome.error is None and outcome.events[-1] == "tile+final", outcome
     expected = library_tiles(reference_vae, latents, front)
     for (start, wave), (ref_start, reference) in zip(outcome.tiles, expected, strict=True):

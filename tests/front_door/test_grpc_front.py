@@ -13,7 +13,7 @@ import socket
 import numpy as np
 import pytest
 
-from triton_harness import FRONT_MAX_FRAMES, DecodeStream, library_tiles
+from triton_harness import FRONT_MAX_FRAMES, DecodeStream, decode_once, library_tiles
 
 h2_connection = pytest.importorskip("h2.connection")
 h2_config = pytest.importorskip("h2.config")
@@ -102,12 +102,7 @@ class RawCall:
 
 
 def stream_decode(front_door, clip: np.ndarray) -> np.ndarray:
-    stream = DecodeStream(front_door.grpc_url)
-    try:
-        stream.send(clip, request_id="reference")
-        outcome = stream.collect()["reference"]
-    finally:
-        stream.close()
+    outcome = decode_once(front_door.grpc_url, clip)
     assert outcome.error is None, outcome
     return outcome.waveform()
 

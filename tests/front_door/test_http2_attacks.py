@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triton_harness import DecodeStream
+from triton_harness import decode_once
 
 pytest.importorskip("hyperframe")
 pytest.importorskip("hpack")
@@ -42,14 +42,9 @@ def good_clip() -> np.ndarray:
 
 def stream_once(url: str) -> tuple[float, np.ndarray]:
     """(seconds to the final response, the waveform) of one streamed decode of the good clip."""
-    stream = DecodeStream(url)
-    try:
-        began = time.perf_counter()
-        stream.send(good_clip(), request_id="good")
-        outcome = stream.collect()["good"]
-        took = time.perf_counter() - began
-    finally:
-        stream.close()
+    began = time.perf_counter()
+    outcome = decode_once(url, good_clip())
+    took = time.perf_counter() - began
     assert outcome.error is None, outcome.error
     return took, outcome.waveform()
 
