@@ -14,7 +14,7 @@ VPY   := $(VENV)/bin/python
 # The stamp is named after TORCH_SPEC, so asking for another torch reinstalls.
 STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 
-.PHONY: venv serve test clean
+.PHONY: venv serve artifacts test clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ $(STAMP): requirements.txt pyproject.toml client/pyproject.toml
 # (`make clean` removes it) unless AUK_CACHE_DIR says otherwise.
 serve: $(STAMP)
 	AUK_CACHE_DIR="$${AUK_CACHE_DIR:-$(CURDIR)/.cache}" $(VPY) -m auk_triton.front_door.launcher
+
+# The start-up artifacts for this machine's GPU, torch and code (docs/operating.md): starts
+# the server once as `make serve` would, without the front door, until READY. The decode's
+# compiled buckets go to AUK_ARTIFACTS_DIR, else .cache/artifacts, where `make serve` looks.
+artifacts: $(STAMP)
+	AUK_CACHE_DIR="$${AUK_CACHE_DIR:-$(CURDIR)/.cache}" $(VPY) -m auk_triton.front_door.prepare
 
 test: $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS)

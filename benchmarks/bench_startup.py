@@ -1,24 +1,65 @@
-r"""How long a real tritonserver takes to become READY, with cold compile caches and warm.
+r"""How long the server takes to become READY, as a user starts it, with cold caches and warm.
 
-Starts the server `--starts` times in a row, one after another, on one compile-cache
-folder (`--cache-dir`; by default a new empty one, so the first start is cold and the
-rest warm), serving `--models` on `--device`'s configs, and times each start from the
-process's launch to every model READY. After each, the model's start-up lines from the
-server log (Triton loading it, the Python backend starting its instance, the model's
-own lines) are printed with their offsets, so the table's totals can be read apart.
-Weights are a seeded synthetic checkpoint (not real audio).
+Starts the launcher (`python -m auk_triton.front_door.launcher`: the front door and
+tritonserver behind it) `--starts` times in a row, one after another, on one cache folder
+(`--cache-dir`; by default a new empty one, so the first start is cold and the rest warm),
+serving `--models` on `--device`'s configs, and times each start from the command to the
+front door's `/v2/health/ready` answering 200 (a new connection per poll, as a probe makes).
+`--artifacts-dir` points AUK_ARTIFACTS_DIR at a folder `make artifacts` filled (a fresh
+machine given the artifacts: a new `--cache-dir` with an existing `--artifacts-dir`).
+After each start the models' start-up lines from the server log (Triton loading each,
+the Python backend starting its instance, the models' own lines) are printed with their
+offsets. Weights are a seeded synthetic checkpoint written beforehand (not real audio).
 
-    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py
+    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py --models auk_vae_decode auk_vae_decode_offline
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py \
         --device cpu --preset small --starts 1   # a check that it runs
 """
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import MODEL, heading, say, start_server, synthetic_checkpoint
+from common import MODEL, free_port, heading, say, startup_lines, synthetic_checkpoint
+
+READY_TIMEOUT_S = 900.0
+
+
+def ready(http_port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def one_start(env: dict, log_path: Path) -> float:
+    """Launch, wait for READY, stop; the seconds from the command to READY."""
+    ports = {name: free_port() for name in ("HTTP", "GRPC", "METRICS", "INTERNAL_HTTP", "INTERNAL_GRPC")}
+    env = dict(env, AUK_ADDRESS="127.0.0.1", **{f"AUK_{name}_PORT": str(port) for name, port in ports.items()})
+    with open(log_path, "w") as log:
+        began = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while not ready(ports["HTTP"]):
+                if process.poll() is not None:
+                    raise RuntimeError(f"the launcher exited with {process.returncode}; see {log_path}")
+                if time.perf_counter() - began > READY_TIMEOUT_S:
+                    raise RuntimeError(f"not READY after {READY_TIMEOUT_S:g} s; see {log_path}")
+                time.sleep(0.2)
+            return time.perf_counter() - began
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=120)
 
 
 def main() -> None:
@@ -28,30 +69,35 @@ def main() -> None:
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="the models' configs (default gpu)")
     parser.add_argument("--preset", default="auk", help="synthetic checkpoint preset (default auk)")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="compile caches and the checkpoint (default: a new empty folder: the first start is cold)")
+                        help="AUK_CACHE_DIR (default: a new empty folder: the first start is cold)")
+    parser.add_argument("--artifacts-dir", type=Path, default=None,
+                        help="AUK_ARTIFACTS_DIR (default: artifacts in the cache folder)")
     args = parser.parse_args()
 
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="auk-startup-"))
     cache.mkdir(parents=True, exist_ok=True)
-    cold = not (cache / "inductor").exists()
-    checkpoint = synthetic_checkpoint(cache / "checkpoint", args.preset)
-    say(heading(f"Start-up to READY: {', '.join(args.models)}, preset {args.preset}",
-                "cuda" if args.device == "gpu" else "cpu", f", cache {cache}"))
+    artifacts = args.artifacts_dir or cache / "artifacts"
+    cold = not artifacts.exists()
+    checkpoint = synthetic_checkpoint(Path(tempfile.gettempdir()) / f"auk-startup-{args.preset}", args.preset,
+                                      dit=any(m in ("auk_dit", "auk_pipeline", "auk_edit") for m in args.models))
+    env = dict(os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=args.device,
+               AUK_MODELS=",".join(args.models), AUK_ARTIFACTS_DIR=str(artifacts))
+    say(heading(f"Start-up to READY through the launcher: {', '.join(args.models)}, preset {args.preset}",
+                "cuda" if args.device == "gpu" else "cpu", f", cache {cache}, artifacts {artifacts}"))
     rows = []
     for start in range(args.starts):
-        caches = "cold" if cold and start == 0 else "warm"
-        say(f"start {start + 1} ({caches} compile cache):")
-        began = time.perf_counter()
-        process, *_ = start_server(checkpoint, cache, cache / f"server-{start + 1}.log", models=args.models,
-                                   device=args.device)
-        rows.append((start + 1, caches, time.perf_counter() - began))
-        process.terminate()
-        process.wait(timeout=60)
+        state = "none yet" if cold and start == 0 else "present"
+        log_path = cache / f"launcher-{start + 1}.log"
+        seconds = one_start(env, log_path)
+        say(f"start {start + 1} (artifacts {state}): READY after {seconds:.1f} s; its start-up, from the log:")
+        for line in startup_lines(log_path):
+            say(f"  {line}")
+        rows.append((start + 1, state, seconds))
     say()
-    say("| start | compile cache | READY (s) |")
+    say("| start | artifacts | READY (s) |")
     say("| --- | --- | --- |")
-    for start, caches, seconds in rows:
-        say(f"| {start} | {caches} | {seconds:.1f} |")
+    for start, state, seconds in rows:
+        say(f"| {start} | {state} | {seconds:.1f} |")
 
 
 if __name__ == "__main__":

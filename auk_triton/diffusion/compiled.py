@@ -12,7 +12,7 @@ the joins between the stacks and the output projection stay eager: a few kernels
 serves every bucket and row count (Dynamo still specialises a single row), so
 the bucket set does not multiply compile time. `dynamic=False` compiles per
 shape, for comparison. Either way the compiled step is captured as a CUDA
-graph; Inductor's caches (see `use_compile_cache` in the serving config) keep
+graph; Inductor's caches (the start-up artifacts, serving/artifacts.py) keep
 the generated code across restarts, so a warm start pays Dynamo's tracing only.
 
 Fused kernels round in their own order: in bf16 the compiled step differs from

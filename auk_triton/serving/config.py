@@ -128,6 +128,16 @@ def cache_dir_path(params: Mapping[str, str], model_dir: str | Path, environ: Ma
     return Path(configured).absolute() if configured else environment_cache_dir(environ)
 
 
+def artifacts_dir_path(
+    params: Mapping[str, str], model_dir: str | Path, cache_dir: Path, environ: Mapping[str, str] = os.environ
+) -> Path:
+    """The start-up artifacts, the Inductor and Triton compile caches of each GPU, torch and code
+    (serving/artifacts.py): AUK_ARTIFACTS_DIR, else the `artifacts_dir` parameter, else `artifacts`
+    in the cache folder. `make artifacts` fills it ahead of serving."""
+    configured = environ.get("AUK_ARTIFACTS_DIR", "").strip() or path_parameter(params, "artifacts_dir", model_dir)
+    return Path(configured).absolute() if configured else Path(cache_dir) / "artifacts"
+
+
 @dataclass(frozen=True)
 class DecodeSettings:
     """The decode models' config parameters; the field defaults are the documented defaults."""
@@ -154,6 +164,7 @@ class DecodeSettings:
     max_active_requests: int = 128
     max_queued_requests: int = 64
     cache_dir: Path = DEFAULT_CACHE_DIR
+    artifacts_dir: Path | None = None  # the compile caches (artifacts_dir_path); None: `artifacts` in cache_dir
 
     @classmethod
     def from_model_config(
@@ -165,6 +176,7 @@ class DecodeSettings:
         """
         params = config_parameters(model_config)
         default = cls()
+        cache_dir = cache_dir_path(params, model_dir, environ)
         return cls(
             checkpoint=checkpoint_path(params, model_dir, environ),
             compile_shapes=list_parameter(params, "compile_shapes", default.compile_shapes, "128,256,512"),
@@ -181,7 +193,8 @@ class DecodeSettings:
             batch_frames=int_parameter(params, "batch_frames", default.batch_frames, 1),
             max_active_requests=int_parameter(params, "max_active_requests", default.max_active_requests, 1),
             max_queued_requests=int_parameter(params, "max_queued_requests", default.max_queued_requests, 0),
-            cache_dir=cache_dir_path(params, model_dir, environ),
+            cache_dir=cache_dir,
+            artifacts_dir=artifacts_dir_path(params, model_dir, cache_dir, environ),
         )
 
     def buckets(self) -> tuple[int, ...]:
@@ -236,6 +249,7 @@ class DiTSettings:
     # graphs a large bucket needs.
     max_batch_tokens: int = 18432
     cache_dir: Path = DEFAULT_CACHE_DIR
+    artifacts_dir: Path | None = None  # the compile caches (artifacts_dir_path); None: `artifacts` in cache_dir
 
     @classmethod
     def from_model_config(
@@ -243,6 +257,7 @@ class DiTSettings:
     ) -> "DiTSettings":
         params = config_parameters(model_config)
         default = cls()
+        cache_dir = cache_dir_path(params, model_dir, environ)
         return cls(
             checkpoint=checkpoint_path(params, model_dir, environ),
             dtype=choice_parameter(params, "dtype", default.dtype, DIT_DTYPES),
@@ -257,7 +272,8 @@ class DiTSettings:
             frame_buckets=list_parameter(params, "frame_buckets", default.frame_buckets, "256,512,1024,2048"),
             ref_buckets=list_parameter(params, "ref_buckets", default.ref_buckets, "512,2048"),
             max_batch_tokens=int_parameter(params, "max_batch_tokens", default.max_batch_tokens, 1),
-            cache_dir=cache_dir_path(params, model_dir, environ),
+            cache_dir=cache_dir,
+            artifacts_dir=artifacts_dir_path(params, model_dir, cache_dir, environ),
         )
 
     def shape_buckets(self):
@@ -317,10 +333,11 @@ def input_row_limits(model_config: Mapping) -> dict[str, int]:
     return {}
 
 
-def use_compile_cache(cache_dir: Path, environ=os.environ) -> None:
-    """Point Inductor's and Triton's compile caches into `cache_dir` unless already set."""
-    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))
-    environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir) / "triton"))
+def use_compile_cache(folder: Path, environ=os.environ) -> None:
+    """Point Inductor's and Triton's compile caches into `folder` (a model's artifacts_dir)
+    unless already set."""
+    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(folder) / "inductor"))
+    environ.setdefault("TRITON_CACHE_DIR", str(Path(folder) / "triton"))
 
 
 # ---- AUK_* environment variables ------------------------------------------------------------

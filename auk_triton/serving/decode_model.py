@@ -29,7 +29,8 @@ from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
 from auk_triton.codec.pcm16 import to_pcm16
 
 from .checkpoints import resolve_checkpoint
-from .config import GPU_DECODE_PRECISION, DecodeSettings, use_compile_cache
+from .artifacts import use_artifacts
+from .config import GPU_DECODE_PRECISION, DecodeSettings
 from .metrics import DecodeMetrics
 from .requests import RequestCancelled, require_finite, validate_latents
 from .scheduler import Iteration, Job, TileScheduler
@@ -151,8 +152,8 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.settings = settings = DecodeSettings.from_model_config(self.model_config, Path(args["model_repository"]))
-        use_compile_cache(settings.cache_dir)
         self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
+        use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
 
         checkpoint = resolve_checkpoint(settings.checkpoint, settings.cache_dir, lambda text: log("warn", text))
         began = time.perf_counter()

@@ -39,7 +39,8 @@ import triton_python_backend_utils as pb_utils
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 
 from .checkpoints import resolve_checkpoint
-from .config import DiTSettings, use_compile_cache
+from .artifacts import use_artifacts
+from .config import DiTSettings
 from .metrics import DiTMetrics
 from .requests import RequestCancelled, dit_plan, one_row
 from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
@@ -62,7 +63,7 @@ class TritonPythonModel:
         graphs = settings.enable_cuda_graphs and self.device.type == "cuda"
         compiled = graphs and settings.compile_step
         if compiled:
-            use_compile_cache(settings.cache_dir)
+            use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(
             checkpoint, self.device, DTYPES[settings.dtype], max_frames=settings.max_frames,

@@ -606,3 +606,25 @@ def test_the_adapter_rule_reads_the_streaming_decoder_s_active_requests_gauge():
         assert model == "auk_vae_decode"
     assert "decoupled: true" in (MODEL_REPOSITORY / "auk_vae_decode" / "config.pbtxt").read_text()
     assert "<<.GroupBy>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+# ---- the prepare Job ------------------------------------------------------------------------
+
+
+def test_the_prepare_job_builds_what_the_pods_load_with_their_image_environment_and_volumes(deployed):
+    job = deployed.get("Job", "auk-triton-prepare")["spec"]["template"]["spec"]
+    container = one(job["containers"])
+    assert container["args"][:3] == ["python3", "-m", "auk_triton.front_door.prepare"]
+    assert container["image"] == deployed.container["image"]
+    pod_env = {e["name"]: e["value"] for e in deployed.container["env"]}
+    job_env = {e["name"]: e["value"] for e in container["env"]}
+    # Everything that picks the models, their device, weights and artifacts folder is the pods'.
+    for name in ("AUK_CHECKPOINT", "AUK_CACHE_DIR", "AUK_DEVICE", "AUK_MODELS", "AUK_ARTIFACTS_DIR", "AUK_PRESET"):
+        assert job_env.get(name) == pod_env.get(name), name
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    pod_mounts = {m["name"]: m["mountPath"] for m in deployed.container["volumeMounts"]}
+    assert mounts == pod_mounts
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in job["volumes"]}
+    pod_claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in deployed.pod["volumes"]}
+    assert claims == pod_claims
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == deployed.container["resources"]["limits"]["nvidia.com/gpu"]

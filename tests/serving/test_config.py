@@ -49,6 +49,19 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.max_queued_requests == 64
 
 
+@pytest.mark.parametrize("settings_class", [DecodeSettings, DiTSettings])
+def test_the_artifacts_folder_is_auk_artifacts_dir_else_the_parameter_else_artifacts_in_the_cache(
+        settings_class, tmp_path):
+    def artifacts(parameter: str, environ: dict) -> Path:
+        config = {"parameters": {"artifacts_dir": {"string_value": parameter}}}
+        return settings_class.from_model_config(config, tmp_path, environ=environ).artifacts_dir
+
+    assert artifacts("", {"AUK_CACHE_DIR": "/c"}) == Path("/c/artifacts")
+    assert artifacts("built", {"AUK_CACHE_DIR": "/c"}) == tmp_path / "built", "relative to the model's folder"
+    assert artifacts("/opt/a", {"AUK_CACHE_DIR": "/c"}) == Path("/opt/a")
+    assert artifacts("/opt/a", {"AUK_ARTIFACTS_DIR": "/mnt/b"}) == Path("/mnt/b")
+
+
 @pytest.mark.parametrize("value", ["fp16", "tf32"])
 def test_the_precision_parameter_takes_fp16_or_tf32(value, tmp_path):
     config = {"parameters": {"precision": {"string_value": value}}}
