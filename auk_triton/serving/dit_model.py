@@ -41,8 +41,10 @@ from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 from .checkpoints import resolve_checkpoint
 from .config import DiTSettings, use_compile_cache
 from .metrics import DiTMetrics
-from .requests import RequestCancelled, dit_plan, one_row
-from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
+from .errors import RequestCancelled
+from .requests import dit_plan, one_row
+from .triton_common import failure_response, log
+from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
