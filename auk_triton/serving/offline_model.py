@@ -119,7 +119,7 @@ class TritonPythonModel:
                 raise ServerBusy(BUSY_MESSAGE.format(active=self.active, queued=len(self.waiting)))
             self.waiting.append((request, time.monotonic()))
             self.work.notify()
-        self._report()
+            self._report()
 
     def _work(self) -> None:
         """A worker: the oldest waiting request, forwarded and answered, then the next."""
@@ -131,13 +131,13 @@ class TritonPythonModel:
                     return
                 request, arrived = self.waiting.popleft()
                 self.active += 1
-            self._report()
+                self._report()
             try:
                 self._answer(request, waited=time.monotonic() - arrived)
             finally:
                 with self.lock:
                     self.active -= 1
-                self._report()
+                    self._report()
 
     def _answer(self, request, waited: float) -> None:
         try:
@@ -164,7 +164,8 @@ class TritonPythonModel:
                       if isinstance(value, (bool, int, str)) and key != CANCEL_CALL_PARAMETER}
         parameters.update({STATUS_IN_MESSAGE_PARAMETER: True, CALL_TOKEN_PARAMETER: forward.token})
         call = pb_utils.InferenceRequest(
-            model_name=self.settings.decode_model, inputs=[latents], requested_output_names=[name, START_SAMPLE],
+            request_id=request.request_id(), model_name=self.settings.decode_model, inputs=[latents],
+            requested_output_names=[name, START_SAMPLE],
             parameters=parameters, preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
         )
         with self.lock:
@@ -241,6 +242,7 @@ class TritonPythonModel:
     # ---- the end ------------------------------------------------------------------------------
 
     def _report(self) -> None:
+        """The counts to the gauges (under the lock, so the last update has the last counts)."""
         self.metrics.update(self.active, len(self.waiting))
 
     def finalize(self):

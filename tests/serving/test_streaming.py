@@ -251,6 +251,13 @@ def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_stre
     assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton))
 
 
+def counts_of_earlier_requests_reported() -> None:
+    """The decode model reports its counters a few milliseconds after a request ends, the
+    offline model's requests' among them: a test that counts its own waits for the earlier
+    tests' to arrive first."""
+    time.sleep(0.2)
+
+
 def wait_for_metric(triton, name: str, at_least: float, timeout: float = 30, **labels) -> float:
     """The model reports its counters a few milliseconds after a request ends: poll until `name` gets there."""
     deadline = time.monotonic() + timeout
@@ -261,6 +268,7 @@ def wait_for_metric(triton, name: str, at_least: float, timeout: float = 30, **l
 
 
 def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_stream):
+    counts_of_earlier_requests_reported()
     labels = {"model": STREAM_MODEL}
     names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total", "auk_vae_send_seconds_total")
     before = {name: triton.metric(name, **labels) for name in names}
@@ -296,6 +304,7 @@ def test_an_offline_request_s_tiles_are_counted_once_by_the_decode_model_that_de
 ):
     import tritonclient.http as httpclient
 
+    counts_of_earlier_requests_reported()
     labels = {"model": STREAM_MODEL}
     before = triton.metric("auk_vae_tiles_sent_total", **labels)
     audio_before = triton.metric("auk_vae_audio_seconds_total", **labels)
@@ -386,6 +395,7 @@ def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(trito
 
 
 def test_the_scheduler_reports_replays_first_audio_and_active_requests(triton, open_stream):
+    counts_of_earlier_requests_reported()
     labels = {"model": STREAM_MODEL}
     replays_before = triton.metric("auk_vae_windows_per_replay_count", **labels)
     windows_before = triton.metric("auk_vae_windows_per_replay_sum", **labels)
