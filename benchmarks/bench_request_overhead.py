@@ -255,7 +255,7 @@ def main() -> None:
     try:
         for round_ in range(args.rounds):
             for way in args.ways:
-                model = MODEL if way.startswith("stream") else OFFLINE_MODEL  # whose counters (the floor has none)
+                model = MODEL  # whose counters: the offline model's requests are decoded there (the floor has none)
                 first = client.request(way, f"{way}/{round_}/warm-up")
                 if round_ == 0 and way.startswith("floor"):
                     if first.shape != reference.shape:

@@ -246,12 +246,12 @@ def perf_analyzer_script() -> Path:
 
 
 def model_repository_copy(dest: Path, buckets=None) -> Path:
-    """A copy of model_repository/ in `dest`; with `buckets`, its decode models compile those
-    (the compile_shapes parameter of every config file of theirs)."""
+    """A copy of model_repository/ in `dest`; with `buckets`, its decode model compiles those
+    (the compile_shapes parameter of every config file of it; the offline model forwards to it)."""
     shutil.copytree(REPO_ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
     if buckets is not None:
         shapes = ",".join(str(b) for b in buckets)
-        for model in (MODEL, OFFLINE_MODEL):
+        for model in (MODEL,):
             for config in (dest / model).glob("**/*.pbtxt"):
                 text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"',
                                       rf'\1"{shapes}"', config.read_text())

@@ -102,9 +102,10 @@ def copy_model_repository(
     precision: str | None = "fp16",
 ) -> Path:
     """Copy the `models` of model_repository/ to `dest`, with `tile_frames`, `precision` (and any
-    other config `parameters` of theirs) set in the decode models' CPU configs (config.pbtxt).
-    fp16 by default: a CPU decodes in fp32 anyway (and logs that it does), so the served tests
-    that compare with the library's fp32 decode check that fallback too."""
+    other config `parameters`) set in the CPU configs (config.pbtxt) of the decode models that
+    have them: `max_active_requests` in both, `max_frames` in auk_vae_decode alone (the offline
+    model forwards to it). fp16 by default: a CPU decodes in fp32 anyway (and logs that it
+    does), so the served tests that compare with the library's fp32 decode check that fallback too."""
     source = REPO_ROOT / "model_repository"
     dest.mkdir(parents=True)
     chosen = dict(parameters or {})
@@ -112,6 +113,7 @@ def copy_model_repository(
         chosen["tile_frames"] = tile_frames
     if precision is not None:
         chosen["precision"] = precision
+    found = dict.fromkeys(chosen, 0)
     for model in models:
         shutil.copytree(source / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
         if model not in DECODE_MODELS:
@@ -121,8 +123,10 @@ def copy_model_repository(
             text, count = re.subn(
                 rf'(key: "{key}", value: \{{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text()
             )
-            assert count == 1, f"no {key} parameter in {config}"
+            found[key] += count
             config.write_text(text)
+    if any(model in DECODE_MODELS for model in models):
+        assert all(found.values()), f"no decode model copied has the parameters {[k for k, n in found.items() if not n]}"
     return dest
 
 

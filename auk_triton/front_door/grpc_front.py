@@ -25,7 +25,6 @@ message with its status, and the front ends the stream with that status.
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 from functools import partial
 from typing import Mapping
@@ -33,7 +32,8 @@ from typing import Mapping
 import grpc
 from tritonclient.grpc import service_pb2
 
-from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER, STATUS_NAMES
+from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
+from auk_triton.serving.errors import STATUS_TAG
 
 from .request_limits import ModelLimits, Refused, check_grpc_infer, max_message_bytes
 from .settings import GrpcBounds
@@ -41,7 +41,6 @@ from .upstream import STOPPING_MESSAGE, UpstreamState
 
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
 STATUS_HEADER = "triton_grpc_error"
-STATUS_IN_MESSAGE = re.compile(r"\[(" + "|".join(STATUS_NAMES) + r")\] ")
 # Headers grpc-core sets on each side itself, and the status request the front rewrites.
 NOT_FORWARDED = ("user-agent", "content-type", "te", STATUS_HEADER)
 # The upstream is on loopback: reconnect within a second of a restart, not after gRPC's
@@ -77,7 +76,7 @@ def status_of(error_message: str) -> tuple[str, str]:
     """A stream error's status name and its message without it: the status the models put
     in it (STATUS_IN_MESSAGE_PARAMETER), anywhere (an ensemble may put words before its
     step's message), else UNKNOWN (an error of Triton's own)."""
-    found = STATUS_IN_MESSAGE.search(error_message)
+    found = STATUS_TAG.search(error_message)
     if found is None:
         return "UNKNOWN", error_message
     return found.group(1), error_message[: found.start()] + error_message[found.end():]

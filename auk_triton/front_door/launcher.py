@@ -184,8 +184,9 @@ def server_command(
     ]
     if gpu:
         argv.append(f"--model-config-name={GPU_CONFIG_NAME}")
-    # AUK_MODELS picks the models to load; an ensemble brings up its steps itself.
-    models = settings.models_to_load(env)
+    # AUK_MODELS picks the models to load; an ensemble brings up its steps itself, and the
+    # models others forward their requests to are added here.
+    models = with_forwarded_models(settings.models_to_load(env), repository, served_config_name(env))
     if models:
         argv.append("--model-control-mode=explicit")
         argv.extend(f"--load-model={name}" for name in models)
@@ -195,6 +196,25 @@ def server_command(
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir])
     return argv, env
+
+
+def with_forwarded_models(models: list[str], repository: Path, config_name: str | None) -> list[str]:
+    """`models`, each preceded by the model it forwards its requests to where it does (the
+    offline model forwards to auk_vae_decode): Triton loads an ensemble's steps with it, but
+    not the model another's BLS calls go to."""
+    from .request_limits import read_model_config  # tritonclient's protobuf: only where a set is named
+
+    loaded: list[str] = []
+    for name in models:
+        folder = repository / name
+        target = config.forwarded_model(read_model_config(folder, config_name)) if (folder / "config.pbtxt").is_file() else None
+        if target and target not in loaded:
+            if target not in models:
+                _say(f"AUK_MODELS names {name}, which forwards its requests to {target}: loading {target} too")
+            loaded.append(target)
+        if name not in loaded:
+            loaded.append(name)
+    return loaded
 
 
 def describe_exit(status: int) -> str:
@@ -318,7 +338,7 @@ def describe_choice(command: list[str], env: dict[str, str], server_env: dict[st
     """What the launcher chose to serve, and how to ask for the rest."""
     gpu = f"--model-config-name={GPU_CONFIG_NAME}" in command
     device = "a GPU (configs/gpu.pbtxt)" if gpu else "the CPU (config.pbtxt)"
-    models = settings.models_to_load(env)
+    models = [arg.split("=", 1)[1] for arg in command if arg.startswith("--load-model=")]
     which = ", ".join(models) if models else "every model in the repository"
     if env.get("AUK_CHECKPOINT", "").strip():
         weights = f"the checkpoint {server_env['AUK_CHECKPOINT']}"

@@ -2,8 +2,9 @@
 request against it that the front door makes before anything reaches tritonserver.
 
 Each variable-length input's rows come from `config.input_row_limits` (a decoder's
-`max_frames`, auk_dit's `max_prompt_tokens` and `max_frames`, an ensemble's through its
-steps' input maps), fixed dimensions as configured. A bounded declared shape also keeps
+`max_frames`, auk_dit's `max_prompt_tokens` and `max_frames`; an ensemble's through its
+steps' input maps, and the offline model's from the decode model it forwards to,
+`config.forwarded_model`), fixed dimensions as configured. A bounded declared shape also keeps
 Triton 2.51 from sizing anything by it: its HTTP frontend allocates a JSON input's
 declared size before reading the data, and a shape whose byte size overflows 64 bits to
 the size of the data sent passes its gRPC check and kills the model's stub process.
@@ -119,7 +120,8 @@ def _datatype(config_type: str) -> str:
 
 def model_limits(model_config: Mapping, step_limits: Mapping[str, ModelLimits] | None = None) -> ModelLimits:
     """A model's input limits from its config (Triton's JSON form): rows from the model's
-    settings, and for an ensemble from the step each input feeds."""
+    settings; for an ensemble from the step each input feeds, and for a model that forwards
+    its requests from the model it forwards them to (`step_limits` holds both)."""
     name = model_config["name"]
     rows = config.input_row_limits(model_config)
     batching = int(model_config.get("max_batch_size", 0) or 0) > 0
@@ -148,7 +150,11 @@ def _row_source(input_name: str) -> str:
 
 
 def _step_input(model_config: Mapping, name: str, step_limits: Mapping[str, ModelLimits]) -> InputLimit | None:
-    """The limit of the ensemble step input that ensemble tensor `name` feeds, if any."""
+    """The limit of the ensemble step input that ensemble tensor `name` feeds, or of the input
+    `name` of the model this one forwards its requests to, if any."""
+    forwarded_to = step_limits.get(config.forwarded_model(model_config) or "")
+    if forwarded_to is not None and name in forwarded_to.inputs:
+        return forwarded_to.inputs[name]
     for step in (model_config.get("ensemble_scheduling") or {}).get("step", []):
         step_model = step_limits.get(step["model_name"])
         for step_input, tensor in (step.get("input_map") or {}).items():
@@ -176,12 +182,17 @@ def read_model_config(model_dir: Path, config_name: str | None = None) -> dict:
 
 
 def repository_limits(repository: Path, config_name: str | None = None) -> dict[str, ModelLimits]:
-    """Every model's limits in a model repository; ensembles after the models they use."""
+    """Every model's limits in a model repository; models that forward their requests after the
+    models they forward to, ensembles last."""
     configs = {
         d.name: read_model_config(d, config_name) for d in sorted(Path(repository).iterdir()) if (d / "config.pbtxt").is_file()
     }
+
+    def order(item) -> int:
+        return 2 if "ensemble_scheduling" in item[1] else 1 if config.forwarded_model(item[1]) else 0
+
     limits: dict[str, ModelLimits] = {}
-    for name, model_config in sorted(configs.items(), key=lambda item: "ensemble_scheduling" in item[1]):
+    for name, model_config in sorted(configs.items(), key=order):
         limits[name] = model_limits(model_config, limits)
     return limits
 

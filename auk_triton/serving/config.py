@@ -28,6 +28,11 @@ DEFAULT_PROMPT_TOKENS = 512  # auk_dit's longest text condition, in tokens
 # door ends the stream with that status and the message without it.
 STATUS_IN_MESSAGE_PARAMETER = "auk_status_in_error_message"
 STATUS_NAMES = ("INVALID_ARGUMENT", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+# Triton 2.51's Python backend cannot cancel a request one model forwards to another (BLS).
+# The offline model gives each request it forwards to the decode model a token in this
+# parameter, and cancels it with a request that carries the token in the second one.
+CALL_TOKEN_PARAMETER = "auk_call_token"
+CANCEL_CALL_PARAMETER = "auk_cancel_call"
 DIT_DTYPES = ("auto", "bfloat16", "float32")
 # The decoder's precision on a GPU: fp16 weights and signals (fp32 accumulation and activations),
 # or tf32 (fp32 storage, TF32 convolutions). A CPU decodes in fp32 either way.
@@ -140,7 +145,7 @@ def artifacts_dir_path(
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """The decode models' config parameters; the field defaults are the documented defaults."""
+    """`auk_vae_decode`'s config parameters; the field defaults are the documented defaults."""
 
     checkpoint: str = ""
     compile_shapes: tuple[int, ...] | None = None  # None: the codec's buckets (buckets())
@@ -212,6 +217,42 @@ class DecodeSettings:
         if self.first_tile_frames is not None:
             return self.first_tile_frames or None
         return min(self.buckets(), default=None)
+
+
+@dataclass(frozen=True)
+class OfflineSettings:
+    """`auk_vae_decode_offline`'s config parameters; the field defaults are the documented defaults.
+
+    The offline model decodes nothing itself: it forwards each request to `decode_model`
+    (whose settings, `max_frames` among them, apply) and gathers the tiles into one response.
+    """
+
+    decode_model: str = "auk_vae_decode"
+    # Requests forwarded at once; the rest wait, and past max_queued_requests more a request is
+    # refused (UNAVAILABLE). Each forwarded request holds its whole waveform on the host until
+    # its response is out (a 10-minute clip: 57.6 MB of float32), and a thread of the Python
+    # backend's BLS pool (thread-pool-size, 32) until its first tile: fewer than the streaming
+    # model's 128, and fewer than that pool, so the model's own cancellations find a thread.
+    max_active_requests: int = 16
+    max_queued_requests: int = 64
+
+    @classmethod
+    def from_model_config(cls, model_config: Mapping) -> "OfflineSettings":
+        params = config_parameters(model_config)
+        default = cls()
+        return cls(
+            decode_model=params.get("decode_model") or default.decode_model,
+            max_active_requests=int_parameter(params, "max_active_requests", default.max_active_requests, 1),
+            max_queued_requests=int_parameter(params, "max_queued_requests", default.max_queued_requests, 0),
+        )
+
+
+def forwarded_model(model_config: Mapping) -> str | None:
+    """The model a config's model forwards its requests to (the offline model's
+    `decode_model`), or None for a model that serves its requests itself."""
+    if "decode_model" not in config_parameters(model_config):
+        return None
+    return OfflineSettings.from_model_config(model_config).decode_model
 
 
 @dataclass(frozen=True)
@@ -320,7 +361,9 @@ def input_row_limits(model_config: Mapping) -> dict[str, int]:
 
     The project's tensor names tell the models apart: LATENTS is a decoder's input,
     PROMPT_EMBEDS and REF_LATENTS are auk_dit's, AUDIO is the encoder's (max_frames frames of
-    the released codec's hop). An ensemble's limits are its steps'."""
+    the released codec's hop). An ensemble's limits are its steps', and a model's that
+    forwards its requests (`forwarded_model`) are those of the model it forwards them to: the
+    front door reads both there (request_limits.py)."""
     names = {tensor["name"] for tensor in model_config.get("input", [])}
     if "AUDIO" in names and "ensemble_scheduling" not in model_config:
         frames = EncodeSettings.from_model_config(model_config, "", environ={}).max_frames

@@ -1,23 +1,24 @@
-"""Triton Python-backend model: AuK latents in, waveform out, one response per tile.
+"""Triton Python-backend model `auk_vae_decode`: AuK latents in, waveform out, one response per tile.
 
-Both `model_repository/auk_vae_decode` (decoupled: streams one response per
-tile, the last one with the final flag) and `model_repository/auk_vae_decode_offline`
-(one response with the whole waveform) import this class; the loaded config's
-transaction policy picks the mode. The two modes run the same tiled decode, so
-the concatenated stream equals the offline waveform (on a GPU in fp16 within the
-decode's tolerance: each model's process has cuDNN time its own algorithms).
+Decoupled: each tile goes out as soon as it is decoded, the last one with the final flag
+(its config must say `decoupled: true`; the load fails otherwise). HTTP /infer clients use
+`auk_vae_decode_offline` (`offline_model.py`), which forwards each request here and
+gathers the tiles, so one process holds the weights and graphs for both.
 
 `execute` checks each request, hands it to the instance's tile scheduler
-(`scheduler.py`) and returns; the scheduler's thread decodes and sends through
-the request's response sender (a non-decoupled model may answer that way too, with
-one final response). A request's sink (`StreamSink`, `OfflineSink`) turns its tiles
-into Triton responses.
+(`scheduler.py`) and returns; the scheduler's thread decodes and sends through the
+request's response sender. A request's `StreamSink` turns its tiles into Triton responses.
+A request that carries config.CANCEL_CALL_PARAMETER cancels the forwarded request that
+carries its token (config.CALL_TOKEN_PARAMETER): Triton 2.51 has no way to cancel a
+forwarded request itself.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
@@ -30,38 +31,31 @@ from auk_triton.codec.pcm16 import to_pcm16
 
 from .checkpoints import resolve_checkpoint
 from .artifacts import use_artifacts
-from .config import GPU_DECODE_PRECISION, DecodeSettings
+from .config import CALL_TOKEN_PARAMETER, CANCEL_CALL_PARAMETER, GPU_DECODE_PRECISION, DecodeSettings
 from .metrics import DecodeMetrics
-from .requests import RequestCancelled, require_finite, validate_latents
+from .requests import require_finite, validate_latents
 from .scheduler import Iteration, Job, TileScheduler
-from .triton_io import (
-    check_tensor_widths,
+from .triton_common import (
+    START_SAMPLE,
+    WAVEFORM,
+    WAVEFORM_PCM16,
     failure_response,
-    input_array,
-    instance_device,
     log,
-    output_tensor,
+    request_parameters,
+    wants_pcm16,
 )
+from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
-WAVEFORM, WAVEFORM_PCM16 = "WAVEFORM", "WAVEFORM_PCM16"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def wants_pcm16(request) -> bool:
-    """Whether to send WAVEFORM_PCM16 (int16) instead of WAVEFORM (float32).
-
-    Only when the request names WAVEFORM_PCM16 among its outputs and not WAVEFORM:
-    a request that names no outputs asks, to Triton, for all of them, and gets the
-    float32 waveform alone, as before the int16 output existed.
-    """
-    names = set(request.requested_output_names())
-    return WAVEFORM_PCM16 in names and WAVEFORM not in names
+# Cancellations whose forwarded request has not arrived (yet, or ever): remembered, the
+# oldest forgotten first, so a request that comes after its cancellation is stopped at once.
+EARLY_CANCELS_KEPT = 1024
 
 
 def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
     return [
         output_tensor(WAVEFORM_PCM16 if pcm16 else WAVEFORM, samples),
-        output_tensor("START_SAMPLE", torch.tensor([start_sample], dtype=torch.int64)),
+        output_tensor(START_SAMPLE, torch.tensor([start_sample], dtype=torch.int64)),
     ]
 
 
@@ -75,7 +69,8 @@ def tile_outputs(samples: torch.Tensor, start_sample: int, pcm16: bool) -> list:
 # does not read a connection while its request runs: triton-inference-server/server#7077),
 # so on a bare tritonserver such a request is decoded in full; the front door answers
 # /infer over gRPC and cancels the call instead. Inside an ensemble a step never sees its
-# client's cancellation.
+# client's cancellation, nor does a request another model forwards here (BLS): the offline
+# model cancels those itself (`TritonPythonModel._cancel_call`).
 
 
 class StreamSink:
@@ -120,37 +115,24 @@ class StreamSink:
         return "before its first tile" if self.last_start is None else f"after the tile at sample {self.last_start}"
 
 
-class OfflineSink(StreamSink):
-    """A request of the offline model: its tiles gathered, and sent as one response once the
-    last is in (CANCELLED where its client has gone).
-
-    Each tile is copied out of the scheduler's (on a GPU, pinned) host buffer, so a long
-    request does not hold pinned memory until its end; numpy copies, with no OpenMP team to
-    wake (see `_latents`)."""
-
-    def __init__(self, model: str, request, pcm16: bool):
-        super().__init__(model, request, pcm16)
-        self.parts: list[np.ndarray] = []
-
-    def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
-        self.parts.append(samples.numpy().copy())
-        self.last_start = start_sample
-        if last:
-            # One tile (a clip of up to one window) is already a copy of its own.
-            waveform = torch.from_numpy(self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts))
-            self.parts = []
-            response = pb_utils.InferenceResponse(output_tensors=tile_outputs(waveform, 0, self.pcm16))
-            self.sender.send(response, flags=FINAL)
-
-    def stop(self) -> None:
-        self.fail(RequestCancelled(f"request cancelled {self.where()}"))
+def require_decoupled(name: str, model_config: dict) -> None:
+    """Fail the load of a config that is not decoupled: this model sends one response per tile."""
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise RuntimeError(
+            f"{name} sends one response per tile: its config must set model_transaction_policy "
+            "{ decoupled: true }. For one response per request, serve auk_vae_decode_offline, which "
+            "forwards to this model"
+        )
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
         self.name = args["model_name"]
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        require_decoupled(self.name, self.model_config)
+        # Forwarded requests by their token, while they are in the scheduler (config.CALL_TOKEN_PARAMETER).
+        self.calls: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
+        self.early_cancels: OrderedDict[str, bool] = OrderedDict()
         self.settings = settings = DecodeSettings.from_model_config(self.model_config, Path(args["model_repository"]))
         self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
@@ -194,7 +176,7 @@ class TritonPythonModel:
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         log(
             "info",
-            f"{self.name}: ready ({'decoupled, one response per tile' if self.decoupled else 'one response per request'}; "
+            f"{self.name}: ready (one response per tile; "
             f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s)",
         )
 
@@ -234,20 +216,39 @@ class TritonPythonModel:
     # ---- requests -------------------------------------------------------------------------
 
     def execute(self, requests):
-        """Hand each request to the scheduler and return: its thread sends the responses (a
-        stream's tiles, or the offline model's one response once the last window is done)."""
-        sink_type = StreamSink if self.decoupled else OfflineSink
+        """Hand each request to the scheduler and return: its thread sends the tiles."""
         for request in requests:
+            parameters = request_parameters(request)
+            if CANCEL_CALL_PARAMETER in parameters:
+                self._cancel_call(str(parameters[CANCEL_CALL_PARAMETER]))
+                request.get_response_sender().send(flags=FINAL)
+                continue
             pcm16 = wants_pcm16(request)
-            sink = sink_type(self.name, request, pcm16)
+            sink = StreamSink(self.name, request, pcm16)
             arrived = time.monotonic()
+            token = parameters.get(CALL_TOKEN_PARAMETER)
             try:
                 latents, check = self._latents(request)
-                self.scheduler.submit(Job(latents, sink, convert=to_pcm16 if pcm16 else None, check=check,
-                                          arrived=arrived))
+                job = Job(latents, sink, convert=to_pcm16 if pcm16 else None, check=check, arrived=arrived)
+                if token is not None:
+                    self.calls[str(token)] = job
+                self.scheduler.submit(job)
+                if token is not None and self.early_cancels.pop(str(token), False):
+                    self.scheduler.cancel(job)
             except Exception as err:
                 sink.fail(err)
         return None
+
+    def _cancel_call(self, token: str) -> None:
+        """Stop the forwarded request with this token at the scheduler's next iteration, or as
+        it arrives (its cancellation may overtake it)."""
+        job = self.calls.get(token)
+        if job is not None:
+            self.scheduler.cancel(job)
+            return
+        self.early_cancels[token] = True
+        while len(self.early_cancels) > EARLY_CANCELS_KEPT:
+            self.early_cancels.popitem(last=False)
 
     def _latents(self, request) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """The request's LATENTS on the model's device as [1, frames, dim], and their check

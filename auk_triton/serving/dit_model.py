@@ -42,8 +42,10 @@ from .checkpoints import resolve_checkpoint
 from .artifacts import use_artifacts
 from .config import DiTSettings
 from .metrics import DiTMetrics
-from .requests import RequestCancelled, dit_plan, one_row
-from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
+from .errors import RequestCancelled
+from .requests import dit_plan, one_row
+from .triton_common import failure_response, log
+from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

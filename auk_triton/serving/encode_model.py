@@ -27,7 +27,8 @@ from auk_triton.codec import AuKVAE, AuKVAEEncoder
 from .checkpoints import resolve_checkpoint
 from .config import EncodeSettings
 from .requests import optional_seed, validate_audio
-from .triton_io import check_tensor_widths, failure_response, input_array, instance_device, log, output_tensor
+from .triton_common import failure_response, log
+from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
 
 class TritonPythonModel:

@@ -1,19 +1,26 @@
-"""The decode models' counters on Triton's metrics port."""
+"""The models' counters on Triton's metrics port. No torch here: the offline model, which
+imports none, keeps its gauges with `OfflineMetrics`."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import triton_python_backend_utils as pb_utils
 
-from auk_triton.codec import AuKVAEDecodeGraph
-
-from .triton_io import log
+from .triton_common import log
 
 TIERS = ("compiled", "batched", "graph", "eager")
 WINDOWS_PER_REPLAY_BUCKETS = [1, 2, 4, 8, 16, 32]
 FIRST_AUDIO_BUCKETS_S = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+
+
+class GraphCounts(Protocol):
+    """What the counters read of the decode's graph wrapper (`AuKVAEDecodeGraph`)."""
+
+    captures: int
+    generations_retired: int
 
 
 class DecodeMetrics:
@@ -125,7 +132,7 @@ class DecodeMetrics:
             pending["underruns"] += underruns
         self._wake.set()
 
-    def record(self, decoded: list, send_seconds: float, graph: AuKVAEDecodeGraph) -> None:
+    def record(self, decoded: list, send_seconds: float, graph: GraphCounts) -> None:
         """Add one request's tiles ((tier, seconds, audio seconds) each), send time and the
         graph wrapper's capture counts to what the reporter sends next."""
         if self._reporter is None:
@@ -192,6 +199,71 @@ class DecodeMetrics:
         self._reporter.join(self.CLOSE_TIMEOUT_S)
         if self._reporter.is_alive():
             log("warn", "the metrics reporter did not finish its last report in time; the model stops without it")
+        self._reporter = None
+
+
+class OfflineMetrics:
+    """The offline model's gauges: its requests forwarded to the decode model (each holding its
+    waveform on the host until its response is out), and those waiting for a place among them.
+
+    Their tiles are counted once, by the decode model that decodes them (`DecodeMetrics`,
+    model="auk_vae_decode"). Each update is a round trip to the server, so a reporter
+    thread sends the latest counts, off the requests' way; no-ops where the backend has no
+    MetricFamily.
+    """
+
+    CLOSE_TIMEOUT_S = 2.0
+
+    def __init__(self, labels: dict[str, str]):
+        self._families, self._active, self._queued, self._reporter = [], None, None, None
+        self._latest = (0, 0)
+        self._wake = threading.Event()
+        self._closing = False
+        family_cls = getattr(pb_utils, "MetricFamily", None)
+        if family_cls is None:
+            log("warn", "this Python backend has no MetricFamily: the model exports no metrics")
+            return
+        try:
+            gauges = [
+                family_cls(name="auk_vae_offline_active_requests", kind=family_cls.GAUGE,
+                           description="Offline requests forwarded to the decode model, their waveforms being gathered"),
+                family_cls(name="auk_vae_offline_queued_requests", kind=family_cls.GAUGE,
+                           description="Offline requests waiting for a place among those forwarded"),
+            ]
+            self._active, self._queued = (family.Metric(labels=labels) for family in gauges)
+        except Exception as err:  # metrics disabled on the server, or an older backend
+            log("warn", f"custom metrics are unavailable ({err}); the model exports none")
+            self._active = self._queued = None
+            return
+        self._families = gauges
+        self._reporter = threading.Thread(target=self._report_until_closed, name="auk-offline-metrics", daemon=True)
+        self._reporter.start()
+
+    def update(self, active: int, queued: int) -> None:
+        """The requests forwarded and waiting now; the reporter sends the latest."""
+        self._latest = (active, queued)
+        self._wake.set()
+
+    def _report_until_closed(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            active, queued = self._latest
+            try:
+                self._active.set(active)
+                self._queued.set(queued)
+            except Exception as err:  # the server is shutting down
+                log("warn", f"could not update the model's metrics: {err}")
+            if self._closing:
+                return
+
+    def close(self) -> None:
+        """Send the last counts and stop the reporter, waiting for it CLOSE_TIMEOUT_S at most."""
+        if self._reporter is None:
+            return
+        self._closing = True
+        self._wake.set()
+        self._reporter.join(self.CLOSE_TIMEOUT_S)
         self._reporter = None
 
 

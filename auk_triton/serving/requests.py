@@ -1,9 +1,7 @@
 """Checking one request's inputs at the serving edge: a bad request gets its own error.
 
-A `RequestError` is the client's mistake: its message goes back to that client and
-the model keeps serving. A `RequestCancelled` stops the work of a request whose
-client is gone; a `ServerStopping` ends one the model cannot finish before it goes
-away. Nothing here needs the Triton stub.
+A `RequestError` (errors.py) is the client's mistake: its message goes back to that
+client and the model keeps serving. Nothing here needs the Triton stub.
 """
 
 from __future__ import annotations
@@ -15,23 +13,7 @@ import torch
 
 from auk_triton.diffusion import AuKDiTSampler, Plan, Request
 
-
-class RequestError(ValueError):
-    """A request the model refuses; its message goes back to the client."""
-
-
-class RequestCancelled(Exception):
-    """The request's client is gone (it cancelled, or timed out): the model stops its work."""
-
-
-class ServerBusy(RuntimeError):
-    """The model holds as many requests as it may, decoding and waiting: the client may send
-    the request again later, or to another server."""
-
-
-class ServerStopping(RuntimeError):
-    """The model goes away (the server stops, or unloads it) before the request's end: the
-    client may send it again, to another server."""
+from .errors import RequestError
 
 
 # ---- the decoders ---------------------------------------------------------------------------

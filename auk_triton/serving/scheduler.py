@@ -28,7 +28,9 @@ Bounded work. At most `max_active` requests are in the scheduler; past it a
 request waits in the scheduler's own first-come-first-served queue, and past
 `max_queued` more `submit` refuses it at once (ServerBusy). While requests wait,
 the ones in the scheduler are asked, a few per iteration, whether their clients
-have gone, so an abandoned request's place comes free before its next window.
+have gone, so an abandoned request's place comes free before its next window. A request
+whose cancellation Triton does not pass on (one another model forwards here) is ended
+through `cancel`, at the next iteration.
 `submit` never blocks, so Triton's `execute` returns at once. (Triton 2.51's dynamic batcher,
 in front of a decoupled model, held a request that arrived while another's
 `execute` ran until some later event: up to 0.7 s on a CPU, its 500 ms wake-up
@@ -50,7 +52,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .requests import ServerBusy, ServerStopping
+from .errors import BUSY_MESSAGE, STOPPING_MESSAGE, ServerBusy, ServerStopping
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +96,6 @@ class WindowDecoder(Protocol):
     def decode_rows(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
-STOPPING_MESSAGE = (
-    "the model is shutting down (its server stops or unloads it) before the end of this request: "
-    "send it again"
-)
-BUSY_MESSAGE = (
-    "the model is at its limit ({active} requests decoding, {queued} waiting): send the request again later "
-    "or to another server"
-)
-
-
 @dataclass(eq=False)
 class Job:
     """One request in the scheduler: its latents [1, frames, C], windows and progress."""
@@ -118,6 +110,7 @@ class Job:
     first_sent: float | None = None  # when its first tile was handed over
     sent_seconds: float = 0.0  # audio handed over so far
     finished: bool = False
+    stop_asked: bool = False  # cancelled through `TileScheduler.cancel`: ended at the next iteration
 
     def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
         """Smaller is more urgent: first windows by arrival, then the rest by deadline (the
@@ -243,6 +236,14 @@ class TileScheduler:
             else:
                 raise ServerBusy(BUSY_MESSAGE.format(active=len(self._jobs), queued=len(self._queued)))
 
+    def cancel(self, job: Job) -> None:
+        """End `job` at the next iteration as a request whose client has gone (its sink's `stop`),
+        from any thread: how a request Triton cannot cancel (a forwarded one) is stopped."""
+        with self._cond:
+            if not job.finished:
+                job.stop_asked = True
+                self._cond.notify_all()
+
     @property
     def active(self) -> int:
         return len(self._jobs)
@@ -291,12 +292,15 @@ class TileScheduler:
                         return
                     self._cond.wait()
                 stopped = [*self._jobs, *self._queued] if self._stopping else []
+                asked = [job for job in (*self._jobs, *self._queued) if job.stop_asked]
                 batch = [] if self._stopping else self._take_batch()
             for job in stopped:
                 self._end(job, lambda job=job: job.sink.fail(ServerStopping(STOPPING_MESSAGE)))
             if stopped:
                 in_flight = None
                 continue
+            for job in asked:  # a tile of theirs still in flight is dropped on delivery
+                self._end(job, job.sink.stop)
             try:
                 launched = self._launch(batch) if batch else None
                 if launched is not None and not self.look_ahead:
@@ -333,12 +337,13 @@ class TileScheduler:
         self._sweep_next = (self._sweep_next + asked) % max(1, len(jobs))
 
     def _has_work(self) -> bool:
-        return any(job.next_window < len(job.windows) for job in self._jobs)
+        return (any(job.stop_asked or job.next_window < len(job.windows) for job in self._jobs)
+                or any(job.stop_asked for job in self._queued))
 
     def _take_batch(self) -> list[Job]:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         batch = pick_batch(
-            self._jobs,
+            [job for job in self._jobs if not job.stop_asked],
             key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
             capacity=self.decoder.batch_capacity,
             now=self.clock(),

@@ -12,7 +12,8 @@ import pytest
 from auk_triton.front_door import grpc_front, launcher, request_limits, settings
 from auk_triton.serving import config
 from auk_triton.front_door.request_limits import Refused
-from auk_triton.serving.requests import RequestError, dit_plan
+from auk_triton.serving.errors import RequestError
+from auk_triton.serving.requests import dit_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,25 @@ def test_a_max_frames_set_in_a_config_is_the_limit_the_front_door_applies(tmp_pa
     repository = copy_model_repository(tmp_path / "repo", parameters={"max_frames": 512})
     limits = request_limits.repository_limits(repository)
     assert limits["auk_vae_decode"].inputs["LATENTS"].bounds == (512, 64)
+    # The offline model has no max_frames of its own: it takes what the model it forwards to takes.
+    assert 'key: "max_frames"' not in (repository / "auk_vae_decode_offline" / "config.pbtxt").read_text()
+    assert limits["auk_vae_decode_offline"].inputs["LATENTS"].bounds == (512, 64)
     assert request_limits.max_message_bytes(limits) == request_limits.HEADER_ALLOWANCE + 512 * 64 * 4
+
+
+def test_the_offline_model_takes_the_limits_of_the_decode_model_its_config_names(tmp_path):
+    from triton_harness import copy_model_repository
+
+    repository = copy_model_repository(tmp_path / "repo", parameters={"max_frames": 512})
+    renamed = repository / "my_decoder"
+    (repository / "auk_vae_decode").rename(renamed)
+    config = renamed / "config.pbtxt"
+    config.write_text(config.read_text().replace('"auk_vae_decode"', '"my_decoder"').replace('"512"', '"700"'))
+    offline = repository / "auk_vae_decode_offline" / "config.pbtxt"
+    offline.write_text(offline.read_text().replace('{ key: "decode_model", value: { string_value: "" } }',
+                                                   '{ key: "decode_model", value: { string_value: "my_decoder" } }'))
+    limits = request_limits.repository_limits(repository)
+    assert limits["auk_vae_decode_offline"].inputs["LATENTS"].bounds == (700, 64)
 
 
 def test_a_declared_shape_past_the_model_s_limit_is_refused_naming_the_shape_and_the_limit(limits):

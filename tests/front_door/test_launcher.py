@@ -59,6 +59,10 @@ def test_the_launcher_hands_the_models_a_relative_auk_checkpoint_as_an_absolute_
     "chosen, loads",
     [
         ("auk_vae_decode, auk_vae_decode_offline", ["auk_vae_decode", "auk_vae_decode_offline"]),
+        # The offline model forwards every request to auk_vae_decode: named alone, it brings it.
+        ("auk_vae_decode_offline", ["auk_vae_decode", "auk_vae_decode_offline"]),
+        ("auk_vae_decode_offline,auk_vae_decode", ["auk_vae_decode", "auk_vae_decode_offline"]),
+        ("auk_dit", ["auk_dit"]),
         ("all", None),
         ("", None),
     ],

@@ -7,8 +7,9 @@ status into a stream only where the client opened it with the header `triton_grp
 true`, a mode that crashed that server (SIGSEGV after "[INTERNAL] HandleCancellation called
 even when the context was not cancelled") in runs of this project's served tests. The front
 door serves that mode itself: test_front_door_stream_status.py checks the stream's statuses
-there. The stream's refusals are made by the same code as the offline model's, whose codes are
-checked here (and, in process, in test_triton_io.py)."""
+there. The offline model forwards each request to the streaming model and passes its refusals on,
+status and message: their codes are checked here through it (and, in process, in
+test_triton_io.py)."""
 
 from __future__ import annotations
 
@@ -103,5 +104,25 @@ def test_a_bad_grpc_request_to_the_offline_model_is_invalid_argument_naming_the_
         assert caught.value.status() == GRPC_INVALID_ARGUMENT, caught.value
         assert_names_problem(caught.value.message(), words)
         assert offline_request(grpcclient, client, GOOD, "FP32").as_numpy("WAVEFORM").shape == (8 * 480,)
+    finally:
+        client.close()
+
+
+def test_the_offline_model_passes_a_request_s_parameters_on_so_its_error_opens_with_its_status_when_asked(triton):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
+
+    latents = with_value(np.nan)
+    tensor = grpcclient.InferInput("LATENTS", list(latents.shape), "FP32")
+    tensor.set_data_from_numpy(latents)
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        for asked, head in ((True, "[INVALID_ARGUMENT] LATENTS holds 1 NaN"), (False, "LATENTS holds 1 NaN")):
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("auk_vae_decode_offline", [tensor], parameters={STATUS_IN_MESSAGE_PARAMETER: asked})
+            assert caught.value.status() == GRPC_INVALID_ARGUMENT, caught.value
+            assert caught.value.message().startswith(head), caught.value.message()
     finally:
         client.close()

@@ -2,8 +2,8 @@
 
 One short-lived server in explicit model-control mode, its AUK_CHECKPOINT
 pointing at a directory each test fills before asking the server to load the
-offline decoder or auk_dit; the last test loads a good checkpoint, so the real
-loading path also succeeds there.
+decoder (auk_vae_decode: the offline model reads no checkpoint) or auk_dit; the
+last test loads a good checkpoint, so the real loading path also succeeds there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from triton_harness import REPO_ROOT
 from safetensors.torch import load_file, save_file
 
-MODEL = "auk_vae_decode_offline"
+MODEL = "auk_vae_decode"
 DIT_MODEL = "auk_dit"
 
 
@@ -118,6 +118,26 @@ def test_a_flash_dit_serves_a_num_steps_above_max_steps_as_its_fixed_recipe(expl
         np.testing.assert_array_equal(latents, generate_latents(embeds, 0.1, 5, url=explicit_server.grpc_url))
     finally:
         client.unload_model(DIT_MODEL)
+        client.close()
+
+
+def test_a_decode_config_that_is_not_decoupled_fails_the_load_saying_so(explicit_server):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    name = "auk_vae_decode_one_response"
+    folder = explicit_server.model_repository / name
+    shutil.copytree(explicit_server.model_repository / MODEL, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    config = folder / "config.pbtxt"
+    text = config.read_text().replace(f'name: "{MODEL}"', f'name: "{name}"')
+    config.write_text(text.replace("model_transaction_policy { decoupled: true }\n", ""))
+    client = httpclient.InferenceServerClient(explicit_server.http_url, network_timeout=300)
+    try:
+        with pytest.raises(InferenceServerException, match="must set model_transaction_policy") as caught:
+            client.load_model(name)
+        assert "auk_vae_decode_offline" in str(caught.value), "it names the model for one response per request"
+        assert not client.is_model_ready(name)
+    finally:
         client.close()
 
 

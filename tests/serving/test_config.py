@@ -13,11 +13,13 @@ from auk_triton.serving.config import (
     DecodeSettings,
     DiTSettings,
     EncodeSettings,
+    OfflineSettings,
     bool_parameter,
     cache_dir_path,
     checkpoint_path,
     config_parameters,
     environment_cache_dir,
+    forwarded_model,
     int_parameter,
 )
 
@@ -32,9 +34,8 @@ def shipped_config(model: str) -> dict:
     return {"parameters": {key: {"string_value": value} for key, value in pairs}}
 
 
-@pytest.mark.parametrize("model", ["auk_vae_decode", "auk_vae_decode_offline"])
-def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
-    settings = DecodeSettings.from_model_config(shipped_config(model), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
+def test_the_shipped_decode_config_parses_to_the_documented_defaults(tmp_path):
+    settings = DecodeSettings.from_model_config(shipped_config("auk_vae_decode"), tmp_path, environ={"AUK_CACHE_DIR": "/c"})
     assert settings.checkpoint == ""
     assert settings.buckets() == (32, 128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
@@ -44,9 +45,21 @@ def test_the_shipped_configs_parse_to_the_documented_defaults(model, tmp_path):
     assert settings.enable_cuda_graphs is True
     assert settings.precision is None, "the device's default precision (fp16 on a GPU)"
     assert settings.cache_dir == Path("/c")
-    # The offline model holds each active request's waveform on the host until its end.
-    assert settings.max_active_requests == (16 if model == "auk_vae_decode_offline" else 128)
-    assert settings.max_queued_requests == 64
+    assert (settings.max_active_requests, settings.max_queued_requests) == (128, 64)
+
+
+def test_the_shipped_offline_config_forwards_to_the_decode_model_with_its_own_bounds():
+    config = shipped_config("auk_vae_decode_offline")
+    assert set(config["parameters"]) == {"decode_model", "max_active_requests", "max_queued_requests"}
+    assert all(value == {"string_value": ""} for value in config["parameters"].values()), "defaults from config.py"
+    # Each forwarded request holds its waveform on the host until its response is out.
+    assert OfflineSettings.from_model_config(config) == OfflineSettings("auk_vae_decode", 16, 64)
+    assert forwarded_model(config) == "auk_vae_decode"
+    assert forwarded_model(shipped_config("auk_vae_decode")) is None
+    named = {"parameters": {"decode_model": {"string_value": "my_decoder"}}}
+    assert forwarded_model(named) == "my_decoder"
+    with pytest.raises(ValueError, match="max_queued_requests is -1; it must be at least 0"):
+        OfflineSettings.from_model_config({"parameters": {"max_queued_requests": {"string_value": "-1"}}})
 
 
 @pytest.mark.parametrize("settings_class", [DecodeSettings, DiTSettings])
@@ -69,7 +82,7 @@ def test_the_precision_parameter_takes_fp16_or_tf32(value, tmp_path):
 
 
 def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
-    for model in ("auk_vae_decode", "auk_vae_decode_offline", "auk_dit", "auk_vae_encode"):
+    for model in ("auk_vae_decode", "auk_dit", "auk_vae_encode"):
         folder = REPO_ROOT / "model_repository" / model
 
         def body(path: Path) -> str:
@@ -77,6 +90,13 @@ def test_the_cpu_and_gpu_configs_differ_only_in_the_instance_kind():
             return "\n".join(lines).replace("KIND_GPU", "KIND_CPU")
 
         assert body(folder / "config.pbtxt") == body(folder / "configs" / "gpu.pbtxt"), model
+
+
+def test_the_offline_model_has_one_config_on_the_cpu_whatever_the_device():
+    """It holds no GPU: Triton serves its config.pbtxt under --model-config-name=gpu too."""
+    folder = REPO_ROOT / "model_repository" / "auk_vae_decode_offline"
+    assert not (folder / "configs").exists()
+    assert "instance_group [ { kind: KIND_CPU, count: 1 } ]" in (folder / "config.pbtxt").read_text()
 
 
 def test_the_shipped_encoder_config_parses_to_the_documented_defaults(tmp_path):

@@ -1,4 +1,4 @@
-"""The decode model's metrics reporter, in this process.
+"""The models' metrics reporters, in this process.
 
 The Python backend's `MetricFamily` is a round trip to the server, so here a
 small recording stand-in takes its place: these tests are about the
@@ -43,19 +43,23 @@ class RecordingFamily:
 
 
 @pytest.fixture
-def metrics_class(monkeypatch):
+def metrics_module(monkeypatch):
     backend = types.ModuleType("triton_python_backend_utils")
     backend.MetricFamily = RecordingFamily
     backend.Logger = None  # log() falls back to print where the stub's logger is missing
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
-    stubbed = ("auk_triton.serving.metrics", "auk_triton.serving.triton_io")
+    stubbed = ("auk_triton.serving.metrics", "auk_triton.serving.triton_common")
     for name in stubbed:
         monkeypatch.delitem(sys.modules, name, raising=False)
     RecordingFamily.totals = {}
-    module = importlib.import_module("auk_triton.serving.metrics")
-    yield module.DecodeMetrics
+    yield importlib.import_module("auk_triton.serving.metrics")
     for name in stubbed:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def metrics_class(metrics_module):
+    return metrics_module.DecodeMetrics
 
 
 def total(name: str) -> float:
@@ -114,3 +118,14 @@ def test_close_returns_within_its_bound_when_a_report_hangs(metrics_class, monke
     began = time.monotonic()
     metrics.close()
     assert time.monotonic() - began < 2.0
+
+
+def test_the_offline_model_s_gauges_hold_its_latest_counts_once_closed(metrics_module):
+    metrics = metrics_module.OfflineMetrics({"model": "auk_vae_decode_offline", "version": "1"})
+    for active, queued in ((1, 0), (16, 3), (16, 4), (15, 4)):
+        metrics.update(active, queued)
+    metrics.close()
+    assert total("auk_vae_offline_active_requests") == 15
+    assert total("auk_vae_offline_queued_requests") == 4
+    # Its tiles are the decode model's to count.
+    assert not [name for name, _ in RecordingFamily.totals if name.startswith("auk_vae_tiles")]

@@ -1,7 +1,8 @@
 """Bounded work on the real server (CPU, small synthetic weights): at most max_active_requests
 requests in the scheduler, the next max_queued_requests in its queue, and past them a request
 refused at once with a status a client can act on, while the others are served in full: in the
-streaming model and in the offline one, which runs the same scheduler."""
+streaming model, and in the offline one, which bounds the requests it forwards to the streaming
+model the same way and passes that model's own refusal on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from triton_harness import DecodeStream, copy_model_repository, start_triton
 
 MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
 MODEL_FULL = "the model is at its limit (1 requests decoding, 1 waiting)"
+
+
+def offline_inputs(module, latents):
+    tensor = module.InferInput("LATENTS", list(latents.shape), "FP32")
+    tensor.set_data_from_numpy(latents)
+    return [tensor]
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +86,7 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
     from tritonclient.utils import InferenceServerException
 
     server = one_active_one_queued
-
-    def inputs(module, latents):
-        tensor = module.InferInput("LATENTS", list(latents.shape), "FP32")
-        tensor.set_data_from_numpy(latents)
-        return [tensor]
-
+    inputs = offline_inputs
     client = grpcclient.InferenceServerClient(server.grpc_url)
     http = httpclient.InferenceServerClient(server.http_url)
     try:
@@ -110,5 +112,38 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
         assert all(result.as_numpy("WAVEFORM").size == frames * 480 for frames, result in served)
         assert all(MODEL_FULL in str(error) for _, _, error in done if error is not None), done
     finally:
+        client.close()
+        http.close()
+
+
+def test_the_offline_model_passes_the_streaming_model_s_refusal_on_with_unavailable_and_503(one_active_one_queued):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    server = one_active_one_queued
+    streams = [DecodeStream(server.grpc_url) for _ in range(2)]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        # The streaming model full (one stream decoding, one waiting); the offline model has room.
+        for index, stream in enumerate(streams):
+            stream.send(make_latents(20 + index, frames=1800), request_id=str(index))
+            if index == 0:
+                assert stream.next_event(timeout=60)[1].events == ["tile"]
+        deadline = time.monotonic() + 10
+        while server.metric("auk_vae_queued_requests", model=MODEL) != 1:
+            assert time.monotonic() < deadline, "the second stream never waited in the scheduler's queue"
+            time.sleep(0.05)
+        with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
+            client.infer(OFFLINE_MODEL, offline_inputs(grpcclient, make_latents(22, frames=20)))
+        assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        assert not refused.value.message().startswith("["), "the status in the message only where asked"
+        with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
+            http.infer(OFFLINE_MODEL, offline_inputs(httpclient, make_latents(23, frames=20)))
+        assert refused.value.status() == "503"
+    finally:
+        for stream in streams:
+            stream.close(cancel=True)
         client.close()
         http.close()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from auk_triton.serving.requests import RequestError, ServerBusy, ServerStopping
+from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
 from auk_triton.serving.scheduler import Job, TileScheduler, pick_batch
 
 HOP = 4
@@ -388,6 +388,33 @@ def test_while_requests_wait_for_a_place_the_ones_in_the_scheduler_are_asked_whe
     # Without the asking, each would decode one window past its client's going (4 rows): a
     # request's later windows are asked about only after their tile is sent.
     assert rows.count(1.0) + rows.count(2.0) <= 3, rows
+
+
+def test_a_request_its_caller_cancels_stops_at_the_next_iteration_whether_decoding_or_waiting(scheduler_of):
+    """`cancel` is how the model stops a request Triton cannot cancel (one forwarded to it)."""
+    decoder = StandInDecoder(capacity=1)
+    decoder.permits = threading.Semaphore(0)
+    scheduler = scheduler_of(decoder, max_active=1, max_queued=1)
+    log = []
+    decoding, waiting = Job(clip(100, 1.0), RecordingSink(log, 1.0)), Job(clip(100, 2.0), RecordingSink(log, 2.0))
+    scheduler.submit(decoding)
+    scheduler.submit(waiting)
+    decoder.permits.release(1)  # the first window of the one decoding
+    deadline = time.monotonic() + 10
+    while not log:
+        assert time.monotonic() < deadline, "the first window never decoded"
+        time.sleep(0.01)
+    scheduler.cancel(decoding)  # from this thread, as the model's execute does
+    scheduler.cancel(waiting)
+    decoder.permits.release(100)
+    for job in (decoding, waiting):
+        assert job.sink.ended.wait(10) and job.sink.ending == "cancelled"
+    rows = [tag for batch in decoder.batches for tag in batch]
+    assert rows.count(1.0) <= 2, "more than the window in flight decoded after the cancel"
+    assert 2.0 not in rows and waiting.sink.tiles == []
+    after = submit(scheduler, 20, 3.0, log)
+    assert after.ended.wait(10) and after.ending == "complete"
+    assert (scheduler.active, scheduler.queued) == (0, 0)
 
 
 def test_close_stops_the_queued_requests_too(scheduler_of):

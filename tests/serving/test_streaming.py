@@ -69,10 +69,10 @@ def test_a_clip_longer_than_several_tiles_streams_one_response_per_tile_that_sti
 
 
 def test_a_cpu_server_asked_for_fp16_decodes_in_fp32_and_says_so(triton, http_client, reference_vae):
-    # The shared server's configs ask for fp16 (triton_harness.copy_model_repository).
+    # The shared server's config asks for fp16 (triton_harness.copy_model_repository).
     assert 'key: "precision", value: { string_value: "fp16" }' in (
-        triton.model_repository / OFFLINE_MODEL / "config.pbtxt").read_text()
-    assert f"{OFFLINE_MODEL}: precision fp16 is for a GPU; cpu decodes in fp32" in triton.log()
+        triton.model_repository / STREAM_MODEL / "config.pbtxt").read_text()
+    assert f"{STREAM_MODEL}: precision fp16 is for a GPU; cpu decodes in fp32" in triton.log()
     latents = make_latents(40, seed=11)
     waveform = http_client.infer(OFFLINE_MODEL, [httpclient_input(latents)]).as_numpy("WAVEFORM")
     with torch.no_grad():
@@ -159,23 +159,28 @@ def test_a_cancelled_stream_ends_early_and_the_server_keeps_serving(triton, open
     assert after.error is None and after.events == ["tile+final"]
 
 
-def test_the_offline_model_over_http_returns_the_whole_waveform_the_stream_gives(http_client, open_stream):
+@pytest.mark.parametrize("frames", [20, 129, 300], ids=["one-window", "first-window-and-a-tile", "several-tiles"])
+def test_the_offline_model_gives_the_bit_identical_audio_of_the_stream_for_the_same_latents(
+    triton, http_client, open_stream, frames
+):
     import tritonclient.http as httpclient
 
-    latents = make_latents(200, seed=30)
+    latents = make_latents(frames, seed=30 + frames)
     tensor = httpclient.InferInput("LATENTS", list(latents.shape), "FP32")
     tensor.set_data_from_numpy(latents, binary_data=True)
     result = http_client.infer(OFFLINE_MODEL, [tensor])
     waveform = result.as_numpy("WAVEFORM")
-    assert waveform.dtype == np.float32 and waveform.shape == (200 * HOP,)
+    assert waveform.dtype == np.float32 and waveform.shape == (frames * HOP,)
     assert result.as_numpy("START_SAMPLE").tolist() == [0]
 
+    # Decoded alone after it (a replay of several windows may round differently).
     stream = open_stream()
     stream.send(latents, request_id="same")
     streamed = stream.collect()["same"]
-    assert len(streamed.tiles) > 1
-    # The same tiled decode path: identical samples.
-    np.testing.assert_array_equal(waveform, streamed.waveform())
+    assert streamed.error is None
+    assert (len(streamed.tiles) > 1) == (frames > triton.first_tile_frames), "the short first window, then tiles"
+    # The offline model forwards to the streaming one: the same process, graphs and weights.
+    assert np.array_equal(waveform, streamed.waveform())
 
 
 def test_a_stream_asking_for_pcm16_gets_int16_tiles_that_are_the_documented_conversion_of_the_float_tiles(
@@ -246,6 +251,13 @@ def test_http_generate_stream_on_the_decoupled_model_takes_a_flat_array_and_stre
     assert_tiles_match(tiles, library_tiles(reference_vae, latents, triton))
 
 
+def counts_of_earlier_requests_reported() -> None:
+    """The decode model reports its counters a few milliseconds after a request ends, the
+    offline model's requests' among them: a test that counts its own waits for the earlier
+    tests' to arrive first."""
+    time.sleep(0.2)
+
+
 def wait_for_metric(triton, name: str, at_least: float, timeout: float = 30, **labels) -> float:
     """The model reports its counters a few milliseconds after a request ends: poll until `name` gets there."""
     deadline = time.monotonic() + timeout
@@ -256,6 +268,7 @@ def wait_for_metric(triton, name: str, at_least: float, timeout: float = 30, **l
 
 
 def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_stream):
+    counts_of_earlier_requests_reported()
     labels = {"model": STREAM_MODEL}
     names = ("auk_vae_tiles_sent_total", "auk_vae_audio_seconds_total", "auk_vae_send_seconds_total")
     before = {name: triton.metric(name, **labels) for name in names}
@@ -286,20 +299,32 @@ def test_metrics_count_tiles_audio_seconds_decode_and_send_time(triton, open_str
     assert "nv_inference_request_success" in text
 
 
-def test_the_offline_model_counts_its_tiles_once_its_response_is_out(triton, http_client):
+def test_an_offline_request_s_tiles_are_counted_once_by_the_decode_model_that_decoded_them(
+    triton, http_client, reference_vae
+):
     import tritonclient.http as httpclient
 
-    labels = {"model": OFFLINE_MODEL}
+    counts_of_earlier_requests_reported()
+    labels = {"model": STREAM_MODEL}
     before = triton.metric("auk_vae_tiles_sent_total", **labels)
     audio_before = triton.metric("auk_vae_audio_seconds_total", **labels)
-    frames = 30
+    served_before = triton.metric("nv_inference_request_success", model=OFFLINE_MODEL)
+    frames = 150
+    latents = make_latents(frames, seed=60)
+    tiles = len(library_tiles(reference_vae, latents, triton))
+    assert tiles > 1
     tensor = httpclient.InferInput("LATENTS", [frames, 64], "FP32")
-    tensor.set_data_from_numpy(make_latents(frames, seed=60))
+    tensor.set_data_from_numpy(latents)
     assert http_client.infer(OFFLINE_MODEL, [tensor]).as_numpy("WAVEFORM").shape == (frames * HOP,)
 
-    wait_for_metric(triton, "auk_vae_tiles_sent_total", before + 1, **labels)
+    wait_for_metric(triton, "auk_vae_tiles_sent_total", before + tiles, **labels)
+    time.sleep(0.2)  # nothing more arrives after the last report
+    assert triton.metric("auk_vae_tiles_sent_total", **labels) - before == tiles
     audio = triton.metric("auk_vae_audio_seconds_total", **labels) - audio_before
     assert audio == pytest.approx(frames * HOP / 24000, rel=1e-6)
+    # Not counted a second time under the offline model, which Triton counts as one request.
+    assert not re.search(rf'^auk_vae_tiles_sent_total{{model="{OFFLINE_MODEL}"', triton.metrics(), re.MULTILINE)
+    assert triton.metric("nv_inference_request_success", model=OFFLINE_MODEL) - served_before == 1
 
 
 def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(triton, http_client):
@@ -370,6 +395,7 @@ def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(trito
 
 
 def test_the_scheduler_reports_replays_first_audio_and_active_requests(triton, open_stream):
+    counts_of_earlier_requests_reported()
     labels = {"model": STREAM_MODEL}
     replays_before = triton.metric("auk_vae_windows_per_replay_count", **labels)
     windows_before = triton.metric("auk_vae_windows_per_replay_sum", **labels)

@@ -1,6 +1,7 @@
-"""The one place a request's error is made: which status each kind of failure gets, in this
-process with a stand-in for the Triton stub (the served statuses are checked against a real
-server in test_bad_input.py and test_pipeline.py)."""
+"""The one place a request's error is made: which status each kind of failure gets, and how a
+forwarded request's error comes back with its status, in this process with a stand-in for the
+Triton stub (the served statuses are checked against a real server in test_bad_input.py,
+test_queue_limits.py and test_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import types
 
 import pytest
 
-from auk_triton.serving.requests import RequestCancelled, RequestError, ServerStopping
+from auk_triton.serving.errors import RequestCancelled, RequestError, ServerBusy, ServerStopping, relayed_error
 
 
 class TritonError:
@@ -30,9 +31,9 @@ def failure_response(monkeypatch):
     backend = types.ModuleType("triton_python_backend_utils")
     backend.TritonError, backend.InferenceResponse, backend.Logger = TritonError, InferenceResponse, None
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
-    monkeypatch.delitem(sys.modules, "auk_triton.serving.triton_io", raising=False)
-    yield importlib.import_module("auk_triton.serving.triton_io").failure_response
-    sys.modules.pop("auk_triton.serving.triton_io", None)
+    monkeypatch.delitem(sys.modules, "auk_triton.serving.triton_common", raising=False)
+    yield importlib.import_module("auk_triton.serving.triton_common").failure_response
+    sys.modules.pop("auk_triton.serving.triton_common", None)
 
 
 def test_a_request_the_model_refuses_is_invalid_arg_with_its_own_message(failure_response):
@@ -83,3 +84,35 @@ def test_a_request_that_asks_for_it_gets_its_status_at_the_head_of_the_message(f
     for parameters in ("{}", f'{{"{STATUS_IN_MESSAGE_PARAMETER}": "false"}}', f'{{"{STATUS_IN_MESSAGE_PARAMETER}": 1}}',
                        "not json"):
         assert failure_response("m", "decode", err, Request(parameters)).error.message == plain.message
+
+
+@pytest.mark.parametrize(
+    "err, code",
+    [(RequestError("LATENTS has zero frames"), TritonError.INVALID_ARG),
+     (ServerBusy("the model is at its limit (1 requests decoding, 1 waiting)"), TritonError.UNAVAILABLE),
+     (RuntimeError("CUDA error: out of memory"), TritonError.INTERNAL)],
+)
+def test_a_forwarded_request_s_error_reaches_its_client_with_the_decode_model_s_status_and_message(
+    failure_response, err, code
+):
+    from auk_triton.serving.config import STATUS_IN_MESSAGE_PARAMETER
+
+    # What the decode model answers a forwarded request, which always asks for the status in
+    # the message; Triton 2.51 hands it back with that message alone (and the status INTERNAL).
+    forwarded = failure_response("auk_vae_decode", "decode", err, Request(f'{{"{STATUS_IN_MESSAGE_PARAMETER}": true}}'))
+    plain = failure_response("auk_vae_decode", "decode", err).error
+    relayed = relayed_error(forwarded.error.message, "UNAVAILABLE", "auk_vae_decode")
+    error = failure_response("auk_vae_decode_offline", "forwarding", relayed).error
+    assert (error.code, error.message) == (code, plain.message) == (plain.code, plain.message)
+    # A client that asked for the status in the message (the front door's streams) gets it once.
+    asked = failure_response("auk_vae_decode_offline", "forwarding", relayed,
+                             Request(f'{{"{STATUS_IN_MESSAGE_PARAMETER}": true}}')).error
+    assert asked.message == forwarded.error.message
+
+
+def test_a_forwarded_request_that_triton_itself_refuses_is_unavailable_naming_the_decode_model(failure_response):
+    relayed = relayed_error("Model auk_vae_decode - Error when running inference: Failed for execute the inference "
+                            "request. Model 'auk_vae_decode' is not ready.", "UNAVAILABLE", "auk_vae_decode")
+    error = failure_response("auk_vae_decode_offline", "forwarding", relayed).error
+    assert error.code == TritonError.UNAVAILABLE
+    assert error.message.startswith("auk_vae_decode could not take the request: Model auk_vae_decode")

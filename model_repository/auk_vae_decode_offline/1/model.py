@@ -1,2 +1,2 @@
 # The model code lives once, in the auk_triton package.
-from auk_triton.serving.decode_model import TritonPythonModel  # noqa: F401
+from auk_triton.serving.offline_model import TritonPythonModel  # noqa: F401
