@@ -22,7 +22,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from . import launcher, settings
 
