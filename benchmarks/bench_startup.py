@@ -25,20 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from auk_triton.front_door.prepare import is_ready
 from common import MODEL, free_port, heading, say, startup_lines, synthetic_checkpoint
 
 READY_TIMEOUT_S = 900.0
-
-
-def ready(http_port: int) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def one_start(env: dict, log_path: Path) -> float:
@@ -50,7 +40,7 @@ def one_start(env: dict, log_path: Path) -> float:
         process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5"],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while not ready(ports["HTTP"]):
+            while not is_ready(ports["HTTP"]):
                 if process.poll() is not None:
                     raise RuntimeError(f"the launcher exited with {process.returncode}; see {log_path}")
                 if time.perf_counter() - began > READY_TIMEOUT_S:

@@ -10,17 +10,21 @@ import sys
 import pytest
 
 
+def skip_without_tritonserver() -> None:
+    launcher = pytest.importorskip("auk_triton.front_door.launcher")
+    try:
+        launcher.tritonserver_executable()
+    except launcher.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+
+
 def prepare(env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "auk_triton.front_door.prepare", "--exit-timeout-secs=5"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_prepare_builds_the_artifacts_a_restart_then_finds_passing_over_foreign_ones(small_checkpoint, tmp_path):
-    launcher = pytest.importorskip("auk_triton.front_door.launcher")
-    try:
-        launcher.tritonserver_executable()
-    except launcher.TritonNotFound as err:
-        pytest.skip(f"tritonserver is not available: {err}")
+    skip_without_tritonserver()
     artifacts = tmp_path / "artifacts"
     foreign = artifacts / "0123456789abcdef"
     foreign.mkdir(parents=True)
@@ -47,11 +51,7 @@ def test_prepare_builds_the_artifacts_a_restart_then_finds_passing_over_foreign_
 
 
 def test_prepare_fails_with_the_server_s_log_when_the_server_cannot_become_ready(tmp_path):
-    launcher = pytest.importorskip("auk_triton.front_door.launcher")
-    try:
-        launcher.tritonserver_executable()
-    except launcher.TritonNotFound as err:
-        pytest.skip(f"tritonserver is not available: {err}")
+    skip_without_tritonserver()
     broken = tmp_path / "checkpoint"
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
