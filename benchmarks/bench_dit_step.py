@@ -25,6 +25,11 @@ the latents.
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
 
+`--profile` adds, per batch, where the compiled step's GPU time goes (torch's
+profiler over a few calls of the step: kernel time by kind, kernels per step, the
+longest kernels), the table of the diffusion issue. `--inductor KEY=VALUE` sets an
+Inductor option (`torch._inductor.config`) for the compiled step, to weigh one.
+
 The compile caches go to a fresh folder unless `--cache-dir` names one: run twice
 with the same folder for a warm start's figures. `--buckets` instead builds what
 auk_dit builds at load (its default buckets, compiled; `--variant flash` for
@@ -38,6 +43,7 @@ Inductor on a CPU takes minutes), so its figures check the script, nothing else.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import statistics
 import sys
@@ -46,6 +52,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from auk_triton.cuda_graph import capture
@@ -129,6 +136,74 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
     return median_ms(graph.replay, iters=iters), built, out.clone()
 
 
+# Kernel kinds by name, first match wins: Inductor's generated Triton kernels (its fused
+# elementwise chains and norms, named after the ops they fuse), the fused attention
+# kernels (cuDNN's, flash, memory-efficient), the position embedding's convolutions,
+# cuBLAS / CUTLASS matrix multiplies, and the rest (eager elementwise, copies, casts,
+# reductions).
+KERNEL_KINDS = (
+    ("Inductor's fused kernels", ("triton_",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("convolutions", ("fprop", "conv")),
+    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "elementwise, norms, copies, casts"
+
+
+def kernel_profile(fn, calls: int = 5, top: int = 8) -> list[str]:
+    """Where one step's GPU time goes: torch's profiler over `calls` calls of `fn` (not graphed:
+    a graph replays the same kernels), per step. Markdown lines."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}  # name -> [microseconds, count], all calls
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total
+            entry[1] += 1
+    by_kind: dict[str, list[float]] = {}
+    for name, (us, count) in kernels.items():
+        entry = by_kind.setdefault(kernel_kind(name), [0.0, 0])
+        entry[0] += us
+        entry[1] += count
+    total_us = sum(us for us, _ in by_kind.values())
+    lines = [f"kernels per step {sum(c for _, c in kernels.values()) / calls:.0f}, "
+             f"kernel time {total_us / calls / 1e3:.2f} ms per step", "",
+             "| kernel kind | ms per step | share | kernels per step |", "| --- | --- | --- | --- |"]
+    for kind, (us, count) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
+        lines.append(f"| {kind} | {us / calls / 1e3:.2f} | {us / total_us:.0%} | {count / calls:.0f} |")
+    lines += ["", "| longest kernels | ms per step | calls per step |", "| --- | --- | --- |"]
+    for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]:
+        lines.append(f"| `{name[:90]}` | {us / calls / 1e3:.3f} | {count / calls:.0f} |")
+    return lines
+
+
+def set_inductor_options(pairs) -> None:
+    """`KEY=VALUE` pairs onto torch._inductor.config (a dotted key reaches a sub-config)."""
+    import torch._inductor.config as inductor_config
+
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        *parents, leaf = key.split(".")
+        target = inductor_config
+        for parent in parents:
+            target = getattr(target, parent)
+        if not hasattr(target, leaf):
+            sys.exit(f"--inductor: torch._inductor.config has no {key}")
+        setattr(target, leaf, ast.literal_eval(value))
+
+
 def sampler_config(model, variant: str = "base") -> dict:
     return {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
             "defaults": DEFAULTS}
@@ -188,6 +263,10 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="Inductor's and Triton's caches (default: a fresh folder)")
     parser.add_argument("--buckets", action="store_true", help="time auk_dit's load: every default bucket's graphs")
     parser.add_argument("--variant", default="base", choices=("base", "flash"), help="with --buckets")
+    parser.add_argument("--profile", action="store_true", help="where the compiled step's GPU time goes, per batch")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config options for the compiled step")
+    parser.add_argument("--no-whole-runs", action="store_true", help="skip the whole flash and base runs")
     args = parser.parse_args()
     preset = args.preset or ("small" if args.small else "auk")
     device = torch.device(args.device or ("cpu" if args.small else "cuda"))
@@ -212,7 +291,11 @@ def main() -> None:
         bucket_warmup(model, args.variant, device, dtype)
         return
     options = CompileOptions(dynamic=not args.static, backend=backend)
+    set_inductor_options(args.inductor)
+    if args.inductor:
+        say(f"Inductor options: {' '.join(args.inductor)}")
     blocks = compiled_blocks(options)
+    profiles = {}
 
     rows = []
     with torch.inference_mode():
@@ -229,13 +312,20 @@ def main() -> None:
             for name, (ms, built, out) in results.items():
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
+            if args.profile and device.type == "cuda":
+                profiles[batch] = kernel_profile(fns[PATHS[2]])
 
     say()
     say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")
     say("| --- | --- | --- | --- | --- | --- |")
     for batch, name, ms, tflops, rel, built in rows:
         say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
-    if device.type != "cuda":
+    for batch, lines in profiles.items():
+        say()
+        say(f"The compiled step at batch {batch}, by torch's profiler:")
+        for line in lines:
+            say(line)
+    if device.type != "cuda" or args.no_whole_runs:
         return
     say()
     for name, rel in whole_runs(model, frames, tokens, device, dtype, options).items():

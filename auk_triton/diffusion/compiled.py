@@ -15,8 +15,11 @@ shape, for comparison. Either way the compiled step is captured as a CUDA
 graph; Inductor's caches (the start-up artifacts, serving/artifacts.py) keep
 the generated code across restarts, so a warm start pays Dynamo's tracing only.
 
-Fused kernels round in their own order: in bf16 the compiled step differs from
-the eager one at bf16 rounding (benchmarks/bench_dit_step.py prints the figure).
+Fused kernels keep their intermediates in fp32, where the eager step rounds each
+op's output to bf16; left so, the compiled velocity differed from the eager bf16
+one by more than bf16's rounding over the blocks (relative L2 1.6e-2 on an H200).
+Inductor is told to round where eager rounds (`emulate_precision_casts`), at no
+measured cost (benchmarks/bench_dit_step.py prints both figures).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .transformer import BlockRunners, run_double_block, run_single_block
 # Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
 # past its recompile limit it runs the function eagerly from then on, silently.
 RECOMPILE_LIMIT = 64
+# Round each fused op's result to bf16 where the eager step does (module docstring).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
 @dataclass(frozen=True)
@@ -49,5 +54,7 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     # fullgraph: a graph break is an error at warm-up (the bucket falls back to a plain
     # graph, logged), rather than a silently slower step.
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
+    if options.backend == "inductor":
+        compile_kw["options"] = dict(INDUCTOR_OPTIONS)
     return BlockRunners(double=torch.compile(run_double_block, **compile_kw),
                         single=torch.compile(run_single_block, **compile_kw))
