@@ -22,55 +22,18 @@ Weights are synthetic (seeded, not real audio).
 """
 
 import argparse
-import os
 import queue
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-from common import FLOOR_MODEL, MODEL, OFFLINE_MODEL, add_floor_model, clip_latents, free_port, heading, model_repository_copy, say, synthetic_checkpoint
+from common import (FLOOR_MODEL, MODEL, OFFLINE_MODEL, add_floor_model, clip_latents, heading, model_repository_copy, say,
+                    start_launcher, synthetic_checkpoint)
 
 BUCKET = 512  # one window: a clip of at most this many frames is one response
-
-
-def start_launcher(checkpoint: Path, work: Path, device: str, models, buckets, floor_ms: float | None = None,
-                   timeout_s: float = 600):
-    """The launcher on free loopback ports (with the floor model if `floor_ms`); returns
-    (process, public ports, internal ports)."""
-    public = {kind: free_port() for kind in ("http", "grpc", "metrics")}
-    internal = {kind: free_port() for kind in ("http", "grpc")}
-    repository = model_repository_copy(work / "model_repository", buckets)
-    if floor_ms is not None:
-        add_floor_model(repository, floor_ms, BUCKET, "cuda" if device == "gpu" else "cpu")
-    env = dict(
-        os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(work / "cache"), AUK_DEVICE=device,
-        AUK_MODEL_REPOSITORY=str(repository), AUK_MODELS=",".join(models), AUK_ADDRESS="127.0.0.1",
-        **{f"AUK_{k.upper()}_PORT": str(v) for k, v in public.items()},
-        **{f"AUK_INTERNAL_{k.upper()}_PORT": str(v) for k, v in internal.items()},
-    )
-    log = open(work / "launcher.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    began = time.perf_counter()
-    while time.perf_counter() - began < timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"the launcher exited with {process.returncode}; see {work / 'launcher.log'}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{public['http']}/v2/health/ready", timeout=5) as reply:
-                if reply.status == 200:
-                    say(f"ready through the front door in {time.perf_counter() - began:.1f} s")
-                    return process, public, internal
-        except OSError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"not ready after {timeout_s:g} s; see {work / 'launcher.log'}")
 
 
 class StreamClient:
@@ -172,8 +135,12 @@ def main() -> None:
     answered_by = f"{args.preset} (synthetic)" if args.floor is None else f"the floor model ({args.floor:g} ms)"
     say(heading(f"The front door's cost at one client, {answered_by}, {args.seconds:g} s clip, PCM16", args.device))
     models = (model, OFFLINE_MODEL) if args.http else (model,)
-    process, public, internal = start_launcher(checkpoint, work, "gpu" if args.device == "cuda" else "cpu", models, [BUCKET],
-                                               args.floor)
+    device = "gpu" if args.device == "cuda" else "cpu"
+    repository = model_repository_copy(work / "model_repository", [BUCKET])
+    if args.floor is not None:
+        add_floor_model(repository, args.floor, BUCKET, "cuda" if device == "gpu" else "cpu")
+    process, public, internal = start_launcher(checkpoint, work / "cache", work / "launcher.log", models, device=device,
+                                               model_repository=repository)
     ways = {
         "stream gRPC": lambda port: StreamClient(f"127.0.0.1:{port['grpc']}", latents, model),
         "ServerLive gRPC": lambda port: PingClient(f"127.0.0.1:{port['grpc']}", np.zeros(1)),

@@ -1,39 +1,64 @@
-"""The streaming decode model under many clients: first audio, underruns and throughput,
-against what the same batched graphs decode in process.
+"""The streaming decode model, or the pipeline, under many clients: first audio,
+underruns, throughput and backlog, against the capacity.
 
 A real `tritonserver` (started here on a synthetic checkpoint, or `--url` on this
 host) is driven over gRPC streaming, one client and stream per simulated user in
-its own thread. The users are spread over `--client-processes` worker processes:
-in one Python process, every stream's tiles would queue for one interpreter lock
-and the client itself would delay first audio. Closed loop: each client sends
-its next request when the last has ended. Open loop: seeded Poisson arrivals
-(each worker process an independent share of the rate, which sums to a Poisson
-process of the full rate) on a bounded pool of streams (arrivals that find none
-idle in their process are counted, not started); `--find-max-load` steps the
-load up to the highest that keeps first audio p99 within target with no
-underrun. Clip lengths are drawn per request from `--clips`. `--mode closed
-open` runs both on one server.
+its own thread. `--front-door` starts it as users do (the launcher: the front
+door on the public ports, tritonserver behind it), waits for every model to
+answer READY through the front door, and sends the load to the front door's gRPC
+port, each stream on a connection of its own. The users are spread over
+`--client-processes` worker processes: in one Python process, every stream's
+tiles would queue for one interpreter lock and the client itself would delay
+first audio. Closed loop: each client sends its next request when the last has
+ended. Open loop: seeded Poisson arrivals (each worker process an independent
+share of the rate, which sums to a Poisson process of the full rate) on a
+bounded pool of streams (arrivals that find none idle in their process are
+counted, not started); every second it counts the requests in flight (arrived
+and not ended, unstarted ones too), and reports their mean over the first and
+last fifth of the arrivals and their least-squares slope: a backlog that grows
+has a positive one. `--find-max-load` steps the load up to the highest that
+keeps first audio p99 within target with no underrun. Clip lengths are drawn
+per request from `--clips`. `--mode closed open` runs both on one server.
+
+`--model decode` (the default) sends seeded latents to `auk_vae_decode`.
+`--model pipeline` sends `auk_pipeline` (auk_dit, then auk_vae_decode) what
+`auk_client.pipeline` sends: seeded stand-in prompt embeddings (`--tokens`), the
+clip's seconds, a seed, and the recipe's knobs (`--recipe flash`, the default,
+serves a flash checkpoint and sends none; `base`, 32 guided steps); its audio
+comes as WAVEFORM (float32), ceil(50 x seconds) frames of it. Before its runs the
+pipeline's references are measured on the server: one client's first audio
+(`--one-client-requests` one after another after a warm-up), then the capacity,
+a closed loop of `--capacity-clients` at saturation (after a warm-up loop) whose
+requests per second `--load` takes fractions of. The pipeline's table puts each
+run against them (p99 / one client's p50).
 
 Per request the client checks START_SAMPLE continuity, the final flag and the
 sample count, and times first audio and total; an underrun is a tile that
 arrives after the audio before it has played out, played from the first tile.
-The server's metrics, read around each run, give windows per replay, its first
-audio and underruns; `--trace FILE` has tritonserver trace every request, and
-the report places each run's slowest first audios step by step. The capacity
-(GPU): `decode_rows` of the served graph wrapper timed per bucket and rows, each
-clip's windows at their bucket's best rate; the decode alone, the most audio per
-second the GPU can make for the mix.
+The server's metrics, read around each run, give the decoder's windows per
+replay, its first audio and underruns; `--trace FILE` has tritonserver trace
+every request, and the report places each run's slowest first audios step by
+step. The decode model's capacity (GPU): `decode_rows` of the served graph
+wrapper timed per bucket and rows, each clip's windows at their bucket's best
+rate; the decode alone, the most audio per second the GPU can make for the mix.
 `--device cpu --preset small` checks the script; its numbers are no measurement.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --mode closed --clients 1 4 16 --clips 10 60 --each-clip
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --mode open --load 0.8 --clips 2 10 30 60
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_load.py --device cpu --preset small --mode closed \\
         --clients 1 2 --clips 0.5 1 --seconds-per-run 8
+    # the pipeline through the front door: flash, 10 s clips, open loop at 0.7 of the capacity
+    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_load.py --model pipeline --front-door --mode open \\
+        --clips 10 --load 0.7 --duration 60 --cache-dir /tmp/auk-bench
+    PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_load.py --device cpu --preset small --model pipeline \\
+        --front-door --mode open --clips 0.5 --tokens 8 --capacity-clients 2 --capacity-seconds 8 \\
+        --capacity-warmup-seconds 2 --one-client-requests 3 --load 0.7 --duration 8 --max-streams 8
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -52,6 +77,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -69,9 +95,12 @@ from common import (
     heading,
     model_repository_copy,
     read_traces,
+    recipe_checkpoints,
+    recipes,
     replay_ms,
     say,
     served_graph,
+    start_launcher,
     start_server,
     synthetic_checkpoint,
     trace_arguments,
@@ -79,6 +108,8 @@ from common import (
 
 SAMPLE_RATE = FRAMES_PER_SECOND * SAMPLES_PER_FRAME
 OUTPUTS = {"pcm16": "WAVEFORM_PCM16", "float32": "WAVEFORM"}
+PIPELINE_MODEL = "auk_pipeline"
+PIPELINE_MODELS = ("auk_dit", MODEL, PIPELINE_MODEL)  # what the server loads for the pipeline
 # Longest wait for one response; past it the request is an error and its stream is reopened.
 RESPONSE_TIMEOUT_S = 120.0
 # Longest wait for an open loop's requests once its arrivals have ended.
@@ -95,12 +126,11 @@ SCHEDULER_PARAMETERS = {"batch_sizes": "batch_sizes", "batch_frames": "batch_fra
 
 @dataclass(frozen=True)
 class Clip:
-    seconds: float
-    latents: np.ndarray  # [frames, 64], as a request sends them
+    """One clip length of the mix, as its requests send it."""
 
-    @property
-    def samples(self) -> int:
-        return self.latents.shape[0] * SAMPLES_PER_FRAME
+    seconds: float
+    samples: int  # what its responses must add up to
+    inputs: Callable  # tritonclient.grpc -> the request's InferInputs (each stream makes them once)
 
 
 @dataclass
@@ -125,23 +155,81 @@ def clip_frames(seconds: float) -> int:
     return int(seconds * FRAMES_PER_SECOND)
 
 
-def make_clips(seconds_list) -> dict[float, Clip]:
-    """Seeded latents per clip length, made once (a seed of their own per length)."""
-    return {seconds: Clip(seconds, clip_latents(seconds, seed=SEED + index))
-            for index, seconds in enumerate(sorted(set(seconds_list)))}
+def pipeline_frames(seconds: float) -> int:
+    """Latent frames `auk_dit` makes for a GEN_SECONDS of `seconds`: the FP32 the request carries,
+    read back as the decimal it stands for (0.1 s is 5 frames, not 6), at 50 frames a second
+    rounded up (`auk_triton.serving.requests`, `AuKDiTSampler.target_frames`)."""
+    return max(1, math.ceil(float(str(np.float32(seconds))) * SAMPLE_RATE / SAMPLES_PER_FRAME))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the requests of a run are, as the worker processes make them: `auk_vae_decode` with
+    seeded latents (LATENTS), or `auk_pipeline` with seeded stand-in prompt embeddings
+    (PROMPT_EMBEDS [tokens, 2048]), GEN_SECONDS, SEED and the recipe's knobs, as
+    `auk_client.pipeline` sends them. Each clip length has its own seed (the work is the same
+    whatever the seed)."""
+
+    model: str  # MODEL or PIPELINE_MODEL
+    output: str  # the waveform output the client asks for
+    clip_seconds: tuple[float, ...]
+    knobs: tuple[tuple[str, float], ...] = ()  # the pipeline's recipe (NUM_STEPS, GUIDANCE, SWAY)
+    tokens: int = 64  # the pipeline's prompt tokens
+
+    def clips(self) -> dict[float, Clip]:
+        """Every clip length's requests, made once per process (the same in every process)."""
+        lengths = sorted(set(self.clip_seconds))
+        if self.model == MODEL:
+            return {seconds: self._decode_clip(seconds, clip_latents(seconds, seed=SEED + index))
+                    for index, seconds in enumerate(lengths)}
+        from auk_client.pipeline import random_prompt_embeds
+
+        embeds = random_prompt_embeds(self.tokens, SEED)
+        return {seconds: self._pipeline_clip(seconds, embeds, SEED + index) for index, seconds in enumerate(lengths)}
+
+    @staticmethod
+    def _decode_clip(seconds: float, latents: np.ndarray) -> Clip:
+        def inputs(grpc) -> list:
+            tensor = grpc.InferInput("LATENTS", list(latents.shape), "FP32")
+            tensor.set_data_from_numpy(latents)
+            return [tensor]
+
+        return Clip(seconds, latents.shape[0] * SAMPLES_PER_FRAME, inputs)
+
+    def _pipeline_clip(self, seconds: float, embeds: np.ndarray, seed: int) -> Clip:
+        from auk_client.pipeline import pipeline_inputs
+
+        knobs = dict(self.knobs)
+        return Clip(seconds, pipeline_frames(seconds) * SAMPLES_PER_FRAME,
+                    lambda grpc: pipeline_inputs(grpc, embeds, seconds, seed, **knobs))
+
+
+def own_connection_arguments(grpc) -> list[tuple]:
+    """tritonclient's default channel arguments, and a connection of the channel's own: gRPC
+    shares one connection among a process's channels to the same address otherwise, and the
+    front door takes at most 64 streams on one connection (AUK_GRPC_MAX_STREAMS)."""
+    keepalive = grpc.KeepAliveOptions()
+    return [("grpc.max_send_message_length", grpc.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", grpc.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.use_local_subchannel_pool", 1)]
 
 
 class StreamClient:
     """One simulated user: its own gRPC client and stream, one request at a time."""
 
-    def __init__(self, url: str, name: str, output: str):
+    def __init__(self, url: str, name: str, model: str, output: str, own_connection: bool = False):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self.name, self.output = name, output
-        self.client = grpcclient.InferenceServerClient(url)
+        self.name, self.model, self.output = name, model, output
+        self.client = grpcclient.InferenceServerClient(
+            url, channel_args=own_connection_arguments(grpcclient) if own_connection else None)
         self.requested = [grpcclient.InferRequestedOutput(n) for n in (output, "START_SAMPLE")]
-        self._inputs: dict[float, object] = {}  # serialized once per clip length
+        self._inputs: dict[float, list] = {}  # serialized once per clip length
         self.sent = 0
         self.closed = False  # set at the end (or on Ctrl-C): no request or stream after it
         self._open()
@@ -164,14 +252,12 @@ class StreamClient:
             self.client.stop_stream(cancel_requests=True)  # close() alone waits for pending requests
             self.client.close()
 
-    def _input(self, clip: Clip):
+    def _input(self, clip: Clip) -> list:
         if clip.seconds not in self._inputs:
-            tensor = self._grpc.InferInput("LATENTS", list(clip.latents.shape), "FP32")
-            tensor.set_data_from_numpy(clip.latents)
-            self._inputs[clip.seconds] = tensor
+            self._inputs[clip.seconds] = clip.inputs(self._grpc)
         return self._inputs[clip.seconds]
 
-    def decode(self, clip: Clip, due: float | None = None) -> RequestOutcome:
+    def request(self, clip: Clip, due: float | None = None) -> RequestOutcome:
         """Stream one request of `clip` and check its responses; `due`: when it should have been
         sent (perf_counter), for the open loop's start lag."""
         self.sent += 1
@@ -181,8 +267,8 @@ class StreamClient:
         if due is not None:
             outcome.start_lag_ms = (sent - due) * 1e3
         try:
-            self.client.async_stream_infer(MODEL, [self._input(clip)], outputs=self.requested, request_id=request_id,
-                                           enable_empty_final_response=True)
+            self.client.async_stream_infer(self.model, self._input(clip), outputs=self.requested,
+                                           request_id=request_id, enable_empty_final_response=True)
             self._receive(clip, request_id, sent, outcome)
         except Exception as err:  # the stream broke: this request fails, the next gets a new stream
             outcome.error = outcome.error or f"{type(err).__name__}: {err}"
@@ -232,13 +318,14 @@ class StreamClient:
 class StreamPool:
     """A worker's streams, made as runs need them and kept for later runs (their connections stay up)."""
 
-    def __init__(self, url: str, output: str, prefix: str):
-        self.url, self.output, self.prefix = url, output, prefix
+    def __init__(self, url: str, workload: Workload, prefix: str, own_connections: bool):
+        self.url, self.workload, self.prefix, self.own_connections = url, workload, prefix, own_connections
         self.streams: list[StreamClient] = []
 
     def take(self, count: int) -> list[StreamClient]:
         while len(self.streams) < count:
-            self.streams.append(StreamClient(self.url, f"{self.prefix}s{len(self.streams)}", self.output))
+            self.streams.append(StreamClient(self.url, f"{self.prefix}s{len(self.streams)}", self.workload.model,
+                                             self.workload.output, self.own_connections))
         return self.streams[:count]
 
     def close(self) -> None:
@@ -271,24 +358,34 @@ class LoadError(RuntimeError):
 # A worker's warm-up requests at once: a whole pool of 256 streams at once would pass the
 # server's own limit (max_active_requests + max_queued_requests) and be refused.
 WARM_UP_WAVE = 32
+# The open loop counts its requests in flight this often.
+BACKLOG_INTERVAL_S = 1.0
 
 
-def warm_up(pool: StreamPool, count: int, mix: tuple[Clip, ...], others: bool) -> tuple[list[RequestOutcome], int]:
+class Share(NamedTuple):
+    """What a worker's share of a run gives back."""
+
+    outcomes: list[RequestOutcome]
+    not_started: int = 0  # open loop: arrivals that found every stream busy
+    in_flight: list[int] = []  # open loop: requests arrived and not finished, every BACKLOG_INTERVAL_S
+
+
+def warm_up(pool: StreamPool, count: int, mix: tuple[Clip, ...], others: bool) -> Share:
     """The mix's shortest clip on `count` streams, WARM_UP_WAVE at once (their connections, the
     server's first windows), then (`others`) every other length once on the first stream."""
     streams = pool.take(count)
     shortest = min(mix, key=lambda clip: clip.seconds)
     outcomes: list[RequestOutcome] = []
     for begin in range(0, len(streams), WARM_UP_WAVE):
-        in_threads(lambda _, stream: outcomes.append(stream.decode(shortest)), streams[begin : begin + WARM_UP_WAVE])
+        in_threads(lambda _, stream: outcomes.append(stream.request(shortest)), streams[begin : begin + WARM_UP_WAVE])
     for clip in mix if others else ():
         if clip is not shortest:
-            outcomes.append(streams[0].decode(clip))
-    return outcomes, 0
+            outcomes.append(streams[0].request(clip))
+    return Share(outcomes)
 
 
 def closed_clients(pool: StreamPool, mix: tuple[Clip, ...], indices: list[int], clients: int, seconds: float,
-                   requests: int | None, seed: int, start_at: float) -> tuple[list[RequestOutcome], int]:
+                   requests: int | None, seed: int, start_at: float) -> Share:
     """Closed-loop clients `indices` (of `clients`), each on a stream of its own: from `start_at`,
     its next request when the last has ended, for `seconds` (or `requests` each), clip lengths
     drawn per request from a generator of its own."""
@@ -299,11 +396,11 @@ def closed_clients(pool: StreamPool, mix: tuple[Clip, ...], indices: list[int], 
         wait_until(start_at)
         deadline, sent = start_at + seconds, 0
         while not stream.closed and ((sent < requests) if requests is not None else time.perf_counter() < deadline):
-            outcomes.append(stream.decode(mix[draws.integers(len(mix))]))
+            outcomes.append(stream.request(mix[draws.integers(len(mix))]))
             sent += 1
 
     in_threads(client, pool.take(len(indices)))
-    return outcomes, 0
+    return Share(outcomes)
 
 
 def poisson_arrivals(rate: float, duration: float, clip_count: int, draws: np.random.Generator):
@@ -316,19 +413,31 @@ def poisson_arrivals(rate: float, duration: float, clip_count: int, draws: np.ra
 
 
 def open_arrivals(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration: float, streams: int,
-                  seed: list[int], start_at: float, label: str) -> tuple[list[RequestOutcome], int]:
+                  seed: list[int], start_at: float, label: str) -> Share:
     """Poisson arrivals of `rate` per second for `duration` seconds from `start_at`, each a new
-    request on an idle stream of `streams`; an arrival that finds none idle is counted, not started."""
+    request on an idle stream of `streams`; an arrival that finds none idle is counted, not started.
+    Every BACKLOG_INTERVAL_S of the arrivals it counts the requests in flight: those due by then
+    (sent or not, started or not) less those that have ended."""
     mine = pool.take(streams)
     arrivals = poisson_arrivals(rate, duration, len(mix), np.random.default_rng(seed))
     outcomes: list[RequestOutcome] = []
+    arrival_times = [at for at, _ in arrivals]
+    in_flight: list[int] = []
+
+    def count_in_flight() -> None:
+        for tick in range(1, int(duration / BACKLOG_INTERVAL_S) + 1):
+            wait_until(start_at + tick * BACKLOG_INTERVAL_S)
+            in_flight.append(bisect.bisect_right(arrival_times, tick * BACKLOG_INTERVAL_S) - len(outcomes))
+
+    counter = threading.Thread(target=count_in_flight, daemon=True)
+    counter.start()
     idle: queue.SimpleQueue = queue.SimpleQueue()
     inboxes = [queue.SimpleQueue() for _ in mine]
 
     def worker(index: int, stream: StreamClient) -> None:
         while (item := inboxes[index].get()) is not None:
             clip, due = item
-            outcomes.append(stream.decode(clip, due))
+            outcomes.append(stream.request(clip, due))
             idle.put(index)
 
     threads = [threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(mine)]
@@ -344,6 +453,7 @@ def open_arrivals(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration
             not_started += 1
             continue
         inboxes[index].put((mix[clip_index], start_at + at))
+    counter.join()
     for inbox in inboxes:
         inbox.put(None)
     drain_until = time.perf_counter() + DRAIN_TIMEOUT_S
@@ -352,24 +462,25 @@ def open_arrivals(pool: StreamPool, mix: tuple[Clip, ...], rate: float, duration
     if any(thread.is_alive() for thread in threads):
         raise LoadError(f"requests still running {DRAIN_TIMEOUT_S:g} s after the last arrival at {label}: "
                         "the server is far past its capacity")
-    return outcomes, not_started
+    return Share(outcomes, not_started, in_flight)
 
 
 SHARES = {"warm_up": warm_up, "closed": closed_clients, "open": open_arrivals}
 
 
-def client_process(url: str, output: str, clip_seconds: tuple[float, ...], worker: int, connection) -> None:
+def client_process(url: str, workload: Workload, own_connections: bool, worker: int, connection) -> None:
     """A worker process: runs the shares its parent sends, (name, kwargs with `mix` as clip
-    seconds), and answers each with ("ok", (outcomes as dicts, not started)) or ("error", text)."""
+    seconds), and answers each with ("ok", its Share as a tuple, the outcomes as dicts) or ("error", text)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes the workers
-    clips = make_clips(clip_seconds)  # seeded: the same latents as every other process's
-    pool = StreamPool(url, output, f"w{worker}-")
+    clips = workload.clips()  # seeded: the same requests as every other process's
+    pool = StreamPool(url, workload, f"w{worker}-", own_connections)
     try:
         while (command := connection.recv()) is not None:
             name, kwargs = command
             try:
-                outcomes, not_started = SHARES[name](pool, **{**kwargs, "mix": tuple(clips[s] for s in kwargs["mix"])})
-                connection.send(("ok", ([dataclasses.asdict(o) for o in outcomes], not_started)))
+                share = SHARES[name](pool, **{**kwargs, "mix": tuple(clips[s] for s in kwargs["mix"])})
+                # Plain values: this module is __mp_main__ here, its classes unknown by that name to the parent.
+                connection.send(("ok", ([dataclasses.asdict(o) for o in share.outcomes], *share[1:])))
             except Exception as err:  # noqa: BLE001  (the parent reports it and stops)
                 connection.send(("error", f"{type(err).__name__}: {err}"))
     finally:
@@ -377,14 +488,15 @@ def client_process(url: str, output: str, clip_seconds: tuple[float, ...], worke
 
 
 class ClientProcesses:
-    """The simulated users' worker processes, each with streams of its own, kept across runs."""
+    """The simulated users' worker processes, each with streams of its own, kept across runs
+    (`own_connections`: each stream on a connection of its own, else a process's streams share one)."""
 
-    def __init__(self, url: str, output: str, clip_seconds, count: int):
+    def __init__(self, url: str, workload: Workload, count: int, own_connections: bool = False):
         context = multiprocessing.get_context("spawn")  # no fork of a process that has used CUDA
         self.workers = []
         for worker in range(count):
             mine, theirs = context.Pipe()
-            process = context.Process(target=client_process, args=(url, output, tuple(clip_seconds), worker, theirs),
+            process = context.Process(target=client_process, args=(url, workload, own_connections, worker, theirs),
                                       daemon=True)
             process.start()
             theirs.close()
@@ -396,12 +508,13 @@ class ClientProcesses:
         used = min(streams, len(self.workers))
         return [streams // used + (worker < streams % used) for worker in range(used)]
 
-    def run(self, name: str, shares: list[dict]) -> tuple[list[RequestOutcome], int]:
+    def run(self, name: str, shares: list[dict]) -> Share:
         """Share `name` on the first len(shares) workers at once, each with its own kwargs: their
-        outcomes together, and how many arrivals found no idle stream."""
+        outcomes together, how many arrivals found no idle stream, and their requests in flight
+        at each count, summed."""
         for (_, connection), kwargs in zip(self.workers, shares):
             connection.send((name, kwargs))
-        outcomes, not_started, failures = [], 0, []
+        outcomes, not_started, in_flight, failures = [], 0, None, []
         for (_, connection), _ in zip(self.workers, shares):
             try:
                 status, value = connection.recv()
@@ -410,16 +523,18 @@ class ClientProcesses:
             if status == "error":
                 failures.append(value)
                 continue
-            done, unstarted = value
-            outcomes += [RequestOutcome(**fields) for fields in done]
-            not_started += unstarted
+            share = Share(*value)
+            outcomes += [RequestOutcome(**fields) for fields in share.outcomes]
+            not_started += share.not_started
+            # Every worker counts at the same moments (the run's start_at + k intervals).
+            in_flight = share.in_flight if in_flight is None else [a + b for a, b in zip(in_flight, share.in_flight)]
         if failures:
             raise LoadError(f"{len(failures)} client processes failed, the first: {failures[0]}")
-        return outcomes, not_started
+        return Share(outcomes, not_started, in_flight or [])
 
     def warm_up(self, counts: list[int], mix: tuple[float, ...]) -> list[RequestOutcome]:
-        outcomes, _ = self.run("warm_up", [dict(count=count, mix=mix, others=worker == 0)
-                                           for worker, count in enumerate(counts)])
+        outcomes = self.run("warm_up", [dict(count=count, mix=mix, others=worker == 0)
+                                        for worker, count in enumerate(counts)]).outcomes
         for worker, count in enumerate(counts):
             self.warm[worker] = max(self.warm[worker], count)
         errors = [outcome.error for outcome in outcomes if outcome.error]
@@ -518,6 +633,26 @@ def server_numbers(before: dict | None, after: dict | None) -> dict | None:
 # ---- runs -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """Whether an open loop's requests in flight grew over its arrivals."""
+
+    start: float  # mean in flight over the first fifth of the counts
+    end: float  # over the last fifth
+    slope: float  # least-squares line through every count, in requests per second
+
+
+def backlog_trend(in_flight: list[int], interval_s: float = BACKLOG_INTERVAL_S) -> Backlog | None:
+    """The trend of requests in flight counted every `interval_s` (the first count one interval
+    after the start); None with fewer than two counts."""
+    if len(in_flight) < 2:
+        return None
+    counts = np.asarray(in_flight, dtype=float)
+    moments = np.arange(1, len(counts) + 1) * interval_s
+    fifth = max(1, len(counts) // 5)
+    return Backlog(float(counts[:fifth].mean()), float(counts[-fifth:].mean()),
+                   float(np.polyfit(moments, counts, 1)[0]))
+
 
 @dataclass
 class Run:
@@ -530,7 +665,10 @@ class Run:
     wall_s: float
     not_started: int = 0
     server: dict | None = None
-    capacity: float | None = None  # audio seconds per second the GPU decodes for this mix, in process
+    capacity: float | None = None  # audio seconds per second of the capacity for this mix
+    offered: float | None = None  # open loop: requests per second
+    duration_s: float | None = None  # open loop: seconds of arrivals
+    in_flight: list[int] = dataclasses.field(default_factory=list)  # open loop: every BACKLOG_INTERVAL_S
 
     def done(self) -> list[RequestOutcome]:
         return [outcome for outcome in self.outcomes if outcome.error is None]
@@ -540,6 +678,17 @@ class Run:
 
     def audio_per_second(self) -> float:
         return sum(outcome.audio_seconds for outcome in self.done()) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def requests_per_second(self) -> float:
+        """Requests completed (without error) per second, from the start to the last one's end."""
+        return len(self.done()) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def arrivals(self) -> int:
+        """Open loop: every arrival, started or not."""
+        return len(self.outcomes) + self.not_started
+
+    def backlog(self) -> Backlog | None:
+        return backlog_trend(self.in_flight)
 
     def underruns(self) -> tuple[int, int]:
         """(underrun tiles, requests with any)."""
@@ -564,7 +713,7 @@ def run_closed_loop(clients: ClientProcesses, mix: tuple[float, ...], count: int
     start_at = time.perf_counter() + START_DELAY_S
     shares = [dict(mix=mix, indices=list(range(worker, count, len(counts))), clients=count, seconds=seconds,
                    requests=requests, seed=seed, start_at=start_at) for worker in range(len(counts))]
-    outcomes, _ = clients.run("closed", shares)
+    outcomes = clients.run("closed", shares).outcomes
     wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
     label = f"{count} client{'' if count == 1 else 's'}"
@@ -584,10 +733,76 @@ def run_open_loop(clients: ClientProcesses, mix: tuple[float, ...], rate: float,
     start_at = time.perf_counter() + START_DELAY_S
     shares = [dict(mix=mix, rate=rate / workers, duration=duration, streams=per_worker,
                    seed=[seed, int(rate * 1000), worker], start_at=start_at, label=label) for worker in range(workers)]
-    outcomes, not_started = clients.run("open", shares)
+    outcomes, not_started, in_flight = clients.run("open", shares)
     wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
-    return Run("open", label, mix, outcomes, wall, not_started, server_numbers(before, after))
+    return Run("open", label, mix, outcomes, wall, not_started, server_numbers(before, after), offered=rate,
+               duration_s=duration, in_flight=in_flight)
+
+
+# ---- the pipeline's one-client figure and capacity, measured on the server -------------------
+
+
+@dataclass
+class MeasuredCapacity:
+    """A closed loop's throughput at saturation, measured on the server in this run: the
+    capacity of a model with none in process (the pipeline), for the mix it ran."""
+
+    run: Run
+    clients: int
+
+    def covers(self, mix) -> bool:
+        return tuple(mix) == self.run.clips
+
+    def requests_per_second(self, mix) -> float:
+        self._check(mix)
+        return self.run.requests_per_second()
+
+    def audio_per_second(self, mix) -> float:
+        self._check(mix)
+        return self.run.audio_per_second()
+
+    def _check(self, mix) -> None:
+        if not self.covers(mix):
+            raise ValueError(f"the capacity was measured for clips {self.run.clips}, not {tuple(mix)}")
+
+
+@dataclass
+class Baseline:
+    """The pipeline's references, measured before its runs: one client's first audio, and the
+    capacity its open loop's load refers to."""
+
+    one_client: Run | None = None
+    capacity: MeasuredCapacity | None = None
+
+    def one_client_first_ms(self) -> float | None:
+        return self.one_client.percentiles("first_audio_ms")[0] if self.one_client else None
+
+
+def measure_baseline(args, clients: ClientProcesses, metrics_url: str | None, baseline: Baseline, runs: list) -> None:
+    """One client's `--one-client-requests` one after another (after its warm-up), then
+    `--capacity-clients` closed-loop clients: a warm-up loop, and the measured one. The clip
+    mix is the open loop's (all of `--clips`)."""
+    mix = tuple(args.clips)
+    one = run_closed_loop(clients, mix, 1, args.seconds_per_run, args.one_client_requests, args.seed, metrics_url)
+    one.load = "1 client (one-client figure)"
+    baseline.one_client = one
+    runs.append(one)
+    say(run_line(one, baseline))
+    if not args.capacity_clients:
+        return
+    if args.capacity_warmup_seconds > 0:
+        warm = run_closed_loop(clients, mix, args.capacity_clients, args.capacity_warmup_seconds, None, args.seed + 1,
+                               metrics_url)
+        say(f"warm-up (not kept): {run_line(warm, baseline)}")
+    run = run_closed_loop(clients, mix, args.capacity_clients, args.capacity_seconds, None, args.seed, metrics_url)
+    run.load += " (capacity)"
+    baseline.capacity = MeasuredCapacity(run, args.capacity_clients)
+    run.capacity = run.audio_per_second()
+    runs.append(run)
+    say(run_line(run, baseline))
+    say(f"capacity, clips {'/'.join(f'{s:g}' for s in mix)} s: {run.requests_per_second():.2f} requests per s "
+        f"({run.audio_per_second():.1f} audio s per s), closed loop of {args.capacity_clients} clients")
 
 
 # ---- the in-process capacity ----------------------------------------------------------------
@@ -600,6 +815,9 @@ class Capacity:
 
     windows_per_second: dict[int, float]
     window_keys: dict[float, list[int]]
+
+    def covers(self, mix) -> bool:
+        return all(seconds in self.window_keys for seconds in mix)
 
     def gpu_seconds(self, clip_seconds: float) -> float:
         return sum(1 / self.windows_per_second[key] for key in self.window_keys[clip_seconds])
@@ -664,8 +882,9 @@ def set_model_parameters(model_dir: Path, values: dict[str, str]) -> None:
 
 
 def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> tuple[str, str]:
-    """Start tritonserver (a copy of model_repository/ where the options change it); it is stopped
-    when `stack` closes. Returns the gRPC and metrics addresses."""
+    """Start tritonserver (a copy of model_repository/ where the options change it), alone or
+    (`--front-door`) behind the front door as the launcher starts it; it is stopped when `stack`
+    closes. Returns the gRPC address the load goes to and the metrics address."""
     values = scheduler_values(args)
     buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
     repository = None
@@ -673,9 +892,14 @@ def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> t
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
         repository = model_repository_copy(folder / "model_repository", buckets)
         set_model_parameters(repository / MODEL, values)
-    process, url, _, metrics_url = start_server(
-        checkpoint, cache, Path(args.log), (MODEL,), device="gpu" if args.device == "cuda" else "cpu",
-        model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
+    models = PIPELINE_MODELS if args.model == "pipeline" else (MODEL,)
+    options = dict(ready_timeout_s=args.ready_timeout, device="gpu" if args.device == "cuda" else "cpu",
+                   model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
+    if args.front_door:
+        process, public, _ = start_launcher(checkpoint, cache, Path(args.log), models, **options)
+        url, metrics_url = f"127.0.0.1:{public['grpc']}", f"127.0.0.1:{public['metrics']}"
+    else:
+        process, url, _, metrics_url = start_server(checkpoint, cache, Path(args.log), models, **options)
     stack.callback(stop_server, process)
     return url, metrics_url
 
@@ -738,32 +962,44 @@ def server_cells(server: dict | None) -> tuple[str, str, str]:
     return number(server["windows_per_replay"], 2), first, str(server["underruns"])
 
 
-def run_cells(run: Run) -> dict[str, str]:
-    """A run's numbers as text, for its line and its summary row."""
+def run_cells(run: Run, baseline: Baseline | None = None) -> dict[str, str]:
+    """A run's numbers as text, for its line and its summary rows (`baseline`: the pipeline's)."""
     (first50, first99), (total50, total99) = run.percentiles("first_audio_ms"), run.percentiles("total_ms")
     tiles, requests = run.underruns()
     windows, server_first, server_underruns = server_cells(run.server)
+    one = baseline.one_client_first_ms() if baseline else None
+    backlog = run.backlog()
+    lags = [o.start_lag_ms for o in run.outcomes]
     return {
         "first50": number(first50), "first99": number(first99), "total50": number(total50), "total99": number(total99),
-        "audio": f"{run.audio_per_second():.1f}", "rate": f"{len(run.done()) / run.wall_s if run.wall_s else 0:.2f}",
+        "audio": f"{run.audio_per_second():.1f}", "rate": f"{run.requests_per_second():.2f}",
         "share": capacity_share(run), "underruns": f"{tiles} ({requests})", "errors": str(len(run.errors())),
         "windows": windows, "server_first": server_first, "server_underruns": server_underruns,
+        "vs_one": f"{first99 / one:.2f}" if first99 is not None and one else "n/a",
+        "in_flight": f"{backlog.start:.1f} / {backlog.end:.1f}" if backlog else "n/a",
+        "slope": f"{backlog.slope:+.3f}" if backlog else "n/a",
+        "lag99": number(float(np.percentile(lags, 99))) if run.mode == "open" and lags else "n/a",
+        "not_started": str(run.not_started),
     }
 
 
-def run_line(run: Run) -> str:
-    cells, (tiles, requests) = run_cells(run), run.underruns()
+def run_line(run: Run, baseline: Baseline | None = None) -> str:
+    cells, (tiles, requests) = run_cells(run, baseline), run.underruns()
     started = ""
     if run.mode == "open":
-        lags = [o.start_lag_ms for o in run.outcomes]
-        lag = f", start lag p99 {np.percentile(lags, 99):.1f} ms" if lags else ""
-        started = f" ({run.not_started} not started{lag})"
+        lag = f", start lag p99 {cells['lag99']} ms" if run.outcomes else ""
+        started = (f" ({run.not_started} not started{lag}; offered {run.offered:.2f} req/s, {run.arrivals()} arrived "
+                   f"in {run.duration_s:g} s; in flight, first / last fifth {cells['in_flight']}, slope "
+                   f"{cells['slope']} req/s)")
+    versus = ""
+    if baseline and baseline.one_client_first_ms() and run is not baseline.one_client:
+        versus = f" ({cells['vs_one']}x one client's p50)"
     return (f"{run.mode}, {run.load}, clips {'/'.join(f'{s:g}' for s in run.clips)} s: {len(run.outcomes)} requests"
-            f"{started}, first audio p50 {cells['first50']} / p99 {cells['first99']} ms, total p50 {cells['total50']}"
-            f" / p99 {cells['total99']} ms, {cells['audio']} audio s/s ({cells['rate']} req/s, {cells['share']} of "
-            f"capacity), underruns {tiles} in {requests} requests, errors {cells['errors']}; server: "
-            f"{run.server['first_tiles'] if run.server else 'n/a'} requests, {cells['windows']} windows per replay, "
-            f"first audio mean / p99 {cells['server_first']} ms, underruns {cells['server_underruns']}")
+            f"{started}, first audio p50 {cells['first50']} / p99 {cells['first99']} ms{versus}, total p50 "
+            f"{cells['total50']} / p99 {cells['total99']} ms, {cells['audio']} audio s/s ({cells['rate']} req/s, "
+            f"{cells['share']} of capacity), underruns {tiles} in {requests} requests, errors {cells['errors']}; "
+            f"server: {run.server['first_tiles'] if run.server else 'n/a'} requests, {cells['windows']} windows per "
+            f"replay, first audio mean / p99 {cells['server_first']} ms, underruns {cells['server_underruns']}")
 
 
 SUMMARY_COLUMNS = ("first50", "first99", "total50", "total99", "audio", "rate", "share", "underruns", "errors",
@@ -784,6 +1020,33 @@ def print_summary(runs: list[Run]) -> None:
             say(f"error, {run.mode} {run.load}, {outcome.clip_seconds:g} s clip: {outcome.error}")
 
 
+PIPELINE_COLUMNS = ("first50", "first99", "vs_one", "total50", "total99", "rate", "in_flight", "slope", "lag99",
+                    "not_started", "underruns", "errors")
+
+
+def print_pipeline_summary(runs: list[Run], baseline: Baseline, recipe: str) -> None:
+    """The pipeline's runs after its baseline, each against one client's first audio and the
+    measured capacity (the open loop's backlog: requests in flight, first and last fifth of its
+    arrivals, and the least-squares slope of every count)."""
+    one = baseline.one_client_first_ms()
+    capacity = baseline.capacity
+    reference = (f"| {recipe} | {' '.join(f'{s:g}' for s in baseline.one_client.clips) if baseline.one_client else 'n/a'}"
+                 f" | {number(one)} | " + (f"{capacity.run.requests_per_second():.2f} ({capacity.clients})"
+                                           if capacity else "n/a") + " | ")
+    say("\n| recipe | clips s | one client: first audio p50 ms | capacity req/s (closed-loop clients) | run "
+        "| first audio p50 ms | p99 | p99 / one client | total p50 ms | p99 | completed req/s "
+        "| in flight, first / last fifth | backlog slope req/s | start lag p99 ms | not started | underruns (requests) "
+        "| errors |")
+    say("| --- " * 17 + "|")
+    measured = [run for run in runs if run is not baseline.one_client and (not capacity or run is not capacity.run)]
+    for run in measured or [None]:
+        if run is None:  # no run past the baseline: its references alone
+            say(reference + " | ".join(["n/a"] * (1 + len(PIPELINE_COLUMNS))) + " |")
+            continue
+        cells = run_cells(run, baseline)
+        say(reference + f"{run.mode}, {run.load} | " + " | ".join(cells[column] for column in PIPELINE_COLUMNS) + " |")
+
+
 def meets_target(run: Run, p99_target_ms: float) -> bool:
     """First audio p99 within the target, no underrun (client or server), error or unstarted request."""
     _, first99 = run.percentiles("first_audio_ms")
@@ -797,6 +1060,18 @@ def meets_target(run: Run, p99_target_ms: float) -> bool:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("decode", "pipeline"), default="decode",
+                        help=f"decode: {MODEL} (latents in); pipeline: {PIPELINE_MODEL} (auk_dit, then {MODEL}: "
+                             "prompt embeddings in)")
+    parser.add_argument("--recipe", choices=("flash", "base"), default=None,
+                        help="pipeline: the DiT's checkpoint and recipe (default flash: 4 steps; base: 32 guided)")
+    parser.add_argument("--tokens", type=int, default=64, help="pipeline: prompt tokens (seeded stand-in embeddings)")
+    parser.add_argument("--front-door", action="store_true",
+                        help="start the server as users do (the launcher: the front door before tritonserver) and "
+                             "send the load to the front door's gRPC port")
+    parser.add_argument("--connection-per-stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="each stream on a gRPC connection of its own (default: on with --front-door, which "
+                             "takes 64 streams a connection; else a worker's streams share one)")
     parser.add_argument("--mode", choices=("closed", "open"), nargs="+", default=None,
                         help="closed, open, or both (in that order, on one server); default closed, or open with "
                              "--find-max-load")
@@ -806,7 +1081,8 @@ def parse_args() -> argparse.Namespace:
                         help="closed loop: requests per client per run, instead of --seconds-per-run")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="open loop: offered requests per second")
     parser.add_argument("--load", type=float, nargs="+", default=None,
-                        help="open loop: offered load as fractions of the in-process capacity (GPU, --capacity)")
+                        help="open loop: offered load as fractions of the capacity (decode: in process, GPU, "
+                             "--capacity; pipeline: measured closed-loop, --capacity-clients)")
     parser.add_argument("--duration", type=float, default=60.0, help="open loop: seconds of arrivals per run")
     # 64 left a few arrivals unstarted at 0.8 of an H200's capacity (RESULTS.md, l13): the pool,
     # not the server, would then fail the step.
@@ -821,8 +1097,9 @@ def parse_args() -> argparse.Namespace:
                         help="closed loop: each clip length on its own instead of the mix (the open loop runs the mix)")
     parser.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
                         help="worker processes the clients are spread over (default 4, at most half the cores)")
-    parser.add_argument("--format", choices=list(OUTPUTS), default="pcm16",
-                        help="pcm16: WAVEFORM_PCM16 (int16); float32: WAVEFORM")
+    parser.add_argument("--format", choices=list(OUTPUTS), default=None,
+                        help="pcm16: WAVEFORM_PCM16 (int16; the decode model's default); float32: WAVEFORM (the "
+                             "pipeline's only waveform output)")
     parser.add_argument("--seed", type=int, default=SEED, help="clip draws and arrivals")
     parser.add_argument("--preset", default="auk", help="synthetic checkpoint preset (small: for the CPU)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -833,6 +1110,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the in-process capacity (default: on with CUDA)")
     parser.add_argument("--capacity-iters", type=int, default=20, help="timed replays per batch key and rows")
+    parser.add_argument("--capacity-clients", type=int, default=16,
+                        help="pipeline: closed-loop clients whose throughput is the capacity (0: not measured)")
+    parser.add_argument("--capacity-seconds", type=float, default=20.0,
+                        help="pipeline: seconds of the measured capacity loop")
+    parser.add_argument("--capacity-warmup-seconds", type=float, default=5.0,
+                        help="pipeline: seconds of the same closed loop before it, not kept")
+    parser.add_argument("--one-client-requests", type=int, default=8,
+                        help="pipeline: one client's requests, one after another after its warm-up: the one-client "
+                             "first audio")
+    parser.add_argument("--ready-timeout", type=float, default=None,
+                        help="seconds the server may take to READY (default 480; the pipeline: 900)")
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_COMPILE_SHAPES),
                         help="compiled buckets (compile_shapes), served and in process")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
@@ -854,6 +1142,22 @@ def parse_args() -> argparse.Namespace:
     args.mode = [mode for mode in ("closed", "open") if mode in args.mode]
     if args.client_processes < 1:
         parser.error("--client-processes must be at least 1")
+    pipeline = args.model == "pipeline"
+    if pipeline:
+        if args.capacity:
+            parser.error("--capacity is the decode model's in process; the pipeline's is measured on the server "
+                         "(--capacity-clients)")
+        args.capacity = False
+        args.recipe = args.recipe or "flash"
+        args.format = args.format or "float32"
+        if args.format != "float32":
+            parser.error(f"{PIPELINE_MODEL} sends WAVEFORM (float32) only: no --format {args.format}")
+        if args.tokens < 1 or args.one_client_requests < 1 or args.capacity_clients < 0:
+            parser.error("--tokens and --one-client-requests must be at least 1, --capacity-clients at least 0")
+    else:
+        if args.recipe is not None:
+            parser.error("--recipe is the pipeline's (--model pipeline)")
+        args.format = args.format or "pcm16"
     if args.capacity is None:
         args.capacity = args.device == "cuda" and torch.cuda.is_available()
     if args.capacity and (args.device != "cuda" or not torch.cuda.is_available()):
@@ -861,7 +1165,10 @@ def parse_args() -> argparse.Namespace:
     if "open" in args.mode:
         if args.rates is None and args.load is None and not args.find_max_load:
             parser.error("the open loop needs --rates or --load (or --find-max-load)")
-        if args.rates is None and not args.capacity:
+        if args.rates is None and pipeline and not args.capacity_clients:
+            parser.error("--load and --find-max-load refer to the capacity measured closed-loop "
+                         "(--capacity-clients); give --rates instead")
+        if args.rates is None and not pipeline and not args.capacity:
             parser.error("--load and --find-max-load refer to the in-process capacity (GPU, --capacity); "
                          "give --rates instead")
     for address in filter(None, (args.url, args.metrics_url)):
@@ -869,6 +1176,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{address}: only a server on this host (127.0.0.1) is driven")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA here (--device cpu checks the script on the CPU)")
+    if args.url and args.front_door:
+        parser.error("--front-door starts a server here; --url drives one already running")
     if args.url and args.trace:
         parser.error("--trace configures a server started here, not --url's")
     if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
@@ -876,6 +1185,10 @@ def parse_args() -> argparse.Namespace:
                      "not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
+    if args.connection_per_stream is None:
+        args.connection_per_stream = args.front_door
+    if args.ready_timeout is None:
+        args.ready_timeout = 900.0 if pipeline else 480.0
     return args
 
 
@@ -896,7 +1209,7 @@ def command_line() -> str:
     return shlex.join(["python3", str(shown), *sys.argv[1:]])
 
 
-def offered_rates(args, capacity: Capacity | None, mix: tuple[float, ...]) -> list[tuple[float, str]]:
+def offered_rates(args, capacity: Capacity | MeasuredCapacity | None, mix: tuple[float, ...]) -> list[tuple[float, str]]:
     """(requests per second, label) of each open-loop run for a mix."""
     if args.rates is not None:
         return [(rate, f"{rate:g} req/s") for rate in args.rates]
@@ -910,7 +1223,8 @@ def clip_mixes(args, mode: str) -> list[tuple[float, ...]]:
     return [(s,) for s in args.clips] if args.each_clip and mode == "closed" else [tuple(args.clips)]
 
 
-def run_all(args, clients: ClientProcesses, capacity: Capacity | None, metrics_url: str | None, runs: list) -> None:
+def run_all(args, clients: ClientProcesses, capacity: Capacity | MeasuredCapacity | None, metrics_url: str | None,
+            runs: list, baseline: Baseline | None = None) -> None:
     """Every run of the chosen modes, mix by mix; appends each to `runs` as it ends."""
     for mode in args.mode:
         for mix in clip_mixes(args, mode):
@@ -924,9 +1238,9 @@ def run_all(args, clients: ClientProcesses, capacity: Capacity | None, metrics_u
                     rate, label = step
                     run = run_open_loop(clients, mix, rate, args.duration, args.max_streams, args.seed, metrics_url,
                                         label)
-                run.capacity = capacity.audio_per_second(mix) if capacity else None
+                run.capacity = capacity.audio_per_second(mix) if capacity and capacity.covers(mix) else None
                 runs.append(run)
-                say(run_line(run))
+                say(run_line(run, baseline))
                 if args.find_max_load and mode == "open":
                     if not meets_target(run, args.p99_target_ms):
                         break  # the steps go up: the rest would miss it too
@@ -942,17 +1256,26 @@ def main() -> None:
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-load-"))
     if args.device == "cuda":
         use_compile_cache(cache)  # the server inherits it: its buckets find what this process compiled
-    say(heading(f"AuK under load, {args.preset} (synthetic), {args.format}", args.device))
+    pipeline = args.model == "pipeline"
+    what = f"the pipeline ({args.recipe}, {args.tokens} prompt tokens)" if pipeline else "AuK"
+    door = ", through the front door" if args.front_door else ""
+    say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))
     say(f"command: {command_line()}")
     settings = decode_settings(args)
-    where = "the running server's settings are its own; in process" if args.url else "served and in process"
+    where = ("the running server's settings are its own; in process" if args.url
+             else f"{MODEL} in the pipeline" if pipeline else "served and in process")
     say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
         f"max active requests {settings.max_active_requests}")
-    checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)
+    if pipeline:  # the DiT's recipe is its checkpoint's (flash, or base) and the request's knobs
+        checkpoint = recipe_checkpoints(cache, args.preset)[args.recipe]
+    else:
+        checkpoint = synthetic_checkpoint(cache / f"bench_checkpoint_{args.preset}", args.preset)
 
     capacity = None
-    if args.capacity:
+    if pipeline:
+        pass  # measured on the server, first (measure_baseline)
+    elif args.capacity:
         capacity = measure_capacity(checkpoint, settings, args.clips, args.capacity_iters)
         for mix in dict.fromkeys(mix for mode in args.mode for mix in clip_mixes(args, mode)):
             say(f"capacity, clips {'/'.join(f'{s:g}' for s in mix)} s: {capacity.audio_per_second(mix):.0f} "
@@ -961,17 +1284,25 @@ def main() -> None:
         say("in-process capacity: not measured (" + ("no CUDA" if args.device != "cuda" else "--no-capacity") + ")")
 
     runs: list[Run] = []
+    baseline = Baseline() if pipeline else None
+    knobs = tuple(recipes()[args.recipe].items()) if pipeline else ()
+    workload = Workload(PIPELINE_MODEL if pipeline else MODEL, OUTPUTS[args.format], tuple(args.clips), knobs,
+                        args.tokens)
     status = 0
     with contextlib.ExitStack() as stack:
         if args.url:
             url, metrics_url = args.url, args.metrics_url
         else:
             url, metrics_url = serve(args, checkpoint, cache, stack)
-        say(f"{args.client_processes} client processes")
-        clients = ClientProcesses(url, OUTPUTS[args.format], args.clips, args.client_processes)
+        say(f"{args.client_processes} client processes, "
+            + ("a gRPC connection per stream" if args.connection_per_stream else "one gRPC connection per process"))
+        clients = ClientProcesses(url, workload, args.client_processes, args.connection_per_stream)
         stack.callback(clients.close)
         try:
-            run_all(args, clients, capacity, metrics_url, runs)
+            if pipeline:
+                measure_baseline(args, clients, metrics_url, baseline, runs)
+                capacity = baseline.capacity
+            run_all(args, clients, capacity, metrics_url, runs, baseline)
         except KeyboardInterrupt:
             say("interrupted: the runs so far follow")
             status = 130
@@ -979,6 +1310,8 @@ def main() -> None:
             say(f"stopped: {err}")
             status = 1
     print_summary(runs)
+    if pipeline:
+        print_pipeline_summary(runs, baseline, args.recipe)
     if args.trace:  # written as the server stopped
         print_slowest_traces(runs, traces_by_request_id(Path(args.trace)), args.trace_slowest)
     failed = sum(len(run.errors()) for run in runs)

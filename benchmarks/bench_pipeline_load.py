@@ -44,15 +44,11 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from common import (heading, model_repository_copy, percentile, read_traces, recipe_checkpoints, say, start_server,
-                    trace_arguments)
+from common import (heading, model_repository_copy, percentile, read_traces, recipe_checkpoints, recipes, say,
+                    start_server, trace_arguments)
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 MODES = {"off": "1", "on": ""}  # max_batch_requests: 1, or the shipped default
-
-
-def recipes(base_steps: int) -> dict[str, dict]:
-    return {"flash": {}, "base": dict(num_steps=base_steps, guidance=2.0, sway=-1.0)}
 
 
 # ---- in process ------------------------------------------------------------------------------

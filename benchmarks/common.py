@@ -2,8 +2,9 @@
 
 The scripts import it as `common` (run as `python3 benchmarks/<script>.py`, this
 folder is the first entry of the module path): the seeded synthetic checkpoint,
-seeded clip latents, the decode as served, timing with CUDA events, and a real
-`tritonserver` on a copy of `model_repository/` with free loopback ports.
+seeded clip latents, the DiT's recipes, the decode as served, timing with CUDA
+events, and a real `tritonserver` on a copy of `model_repository/` with free
+loopback ports, alone or behind the front door (the launcher).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -82,6 +84,13 @@ def recipe_checkpoints(root: Path, preset: str) -> dict[str, Path]:
     config["variant"] = "flash"
     (flash / "config.json").write_text(json.dumps(config, indent=1))
     return {"base": base, "flash": flash}
+
+
+def recipes(base_steps: int = 32) -> dict[str, dict]:
+    """The DiT's recipes as a request asks for them (`auk_client.pipeline`'s knobs): `flash`
+    (a flash checkpoint, its fixed 4-step recipe: no knob) and `base` (`base_steps` Euler
+    steps, classifier-free guidance 2, the default sway)."""
+    return {"flash": {}, "base": dict(num_steps=base_steps, guidance=2.0, sway=-1.0)}
 
 
 def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:
@@ -327,6 +336,52 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+        raise
+
+
+def start_launcher(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 600,
+                   device: str = "gpu", model_repository: Path | None = None, extra_args=()):
+    """The server as users start it (`make serve`): `python -m auk_triton.front_door.launcher`,
+    the front door on free loopback ports and tritonserver behind it on free internal ones,
+    serving `models` of `model_repository` (default: the project's) on the `device` config,
+    with `extra_args` for tritonserver, its output in `log_path`. A tritonserver that exits
+    ends the launcher (AUK_RESTART=off) rather than being restarted.
+
+    Returns the process and the public and internal ports ("http", "grpc", "metrics"; the
+    metrics port is tritonserver's own, public) once every model answers READY through the
+    front door."""
+    public = {kind: free_port() for kind in ("http", "grpc", "metrics")}
+    internal = {kind: free_port() for kind in ("http", "grpc")}
+    env = dict(
+        os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
+        AUK_MODEL_REPOSITORY=str(model_repository or REPO_ROOT / "model_repository"), AUK_MODELS=",".join(models),
+        AUK_ADDRESS="127.0.0.1", AUK_RESTART="off",
+        **{f"AUK_{k.upper()}_PORT": str(v) for k, v in public.items()},
+        **{f"AUK_INTERNAL_{k.upper()}_PORT": str(v) for k, v in internal.items()},
+    )
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5",
+                                *extra_args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    began = time.perf_counter()
+    try:
+        while time.perf_counter() - began < ready_timeout_s:
+            if process.poll() is not None:
+                raise RuntimeError(f"the launcher exited with {process.returncode}; see {log_path}")
+            if all(model_ready(f"127.0.0.1:{public['http']}", model) for model in models):
+                say(f"ready through the front door in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
+                for line in startup_lines(log_path):
+                    say(f"  {line}")
+                return process, public, internal
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready through the front door after {ready_timeout_s:g} s; see {log_path}")
+    except BaseException:  # not ready, or Ctrl-C while waiting: the caller never gets the process to stop
+        if process.poll() is None:
+            process.terminate()  # the launcher stops its tritonserver first; a kill would leave it running
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
         raise
 
 

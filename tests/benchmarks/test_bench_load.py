@@ -1,0 +1,116 @@
+"""benchmarks/bench_load.py: what a pipeline request expects back, and how the open loop
+counts its backlog."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from bench_load import (  # noqa: E402
+    PIPELINE_MODEL,
+    SAMPLES_PER_FRAME,
+    Clip,
+    RequestOutcome,
+    Workload,
+    backlog_trend,
+    open_arrivals,
+    pipeline_frames,
+    poisson_arrivals,
+)
+from common import recipes  # noqa: E402
+
+from auk_triton.diffusion import AuKDiTSampler  # noqa: E402
+from auk_triton.serving.requests import dit_plan  # noqa: E402
+
+# Durations whose FP32 is not the decimal (0.1, 0.3, 10.01) and whole ones.
+SECONDS = (0.1, 0.3, 0.5, 2.02, 10.0, 10.01, 29.99, 60.0)
+
+
+class TargetFramesOnly:
+    """auk_dit's sampler as far as a request's length goes: its own `target_frames`, at 24 kHz
+    and 480 samples a frame; planning a request gives its target frames."""
+
+    variant = "base"
+    sample_rate, hop, frame_rate, max_frames = 24000, 480, 50.0, None
+    target_frames = AuKDiTSampler.target_frames
+
+    def plan(self, request) -> int:
+        return self.target_frames(request.gen_seconds, 0)
+
+
+def sent_arrays(clip: Clip) -> dict[str, np.ndarray]:
+    """The arrays a clip's request carries, read back from its serialized InferInputs."""
+    import tritonclient.grpc as grpcclient
+
+    types = {"FP32": np.float32, "INT64": np.int64, "INT32": np.int32}
+    return {tensor.name(): np.frombuffer(tensor._get_content(), types[tensor.datatype()]).reshape(tensor.shape()).copy()
+            for tensor in clip.inputs(grpcclient)}
+
+
+@pytest.mark.parametrize("recipe", ["flash", "base"])
+def test_a_pipeline_request_expects_the_samples_of_the_frames_auk_dit_plans_for_its_duration(recipe):
+    workload = Workload(PIPELINE_MODEL, "WAVEFORM", SECONDS, tuple(recipes()[recipe].items()), tokens=4)
+    for seconds, clip in workload.clips().items():
+        arrays = sent_arrays(clip)
+        frames = dit_plan(TargetFramesOnly(), arrays.get, max_steps=64)
+        assert clip.samples == frames * SAMPLES_PER_FRAME == pipeline_frames(seconds) * SAMPLES_PER_FRAME
+        assert arrays["PROMPT_EMBEDS"].shape == (4, 2048)
+        knobs = {"NUM_STEPS", "GUIDANCE", "SWAY"} if recipe == "base" else set()
+        assert set(arrays) == {"PROMPT_EMBEDS", "GEN_SECONDS", "SEED"} | knobs
+    assert pipeline_frames(0.3) == 15 and pipeline_frames(0.1) == 5  # not ceil() of the FP32's excess
+
+
+def test_a_backlog_growing_by_two_requests_a_second_has_a_slope_of_two():
+    trend = backlog_trend([3 + 2 * second for second in range(1, 11)])
+    assert trend.slope == pytest.approx(2.0)
+    assert (trend.start, trend.end) == (pytest.approx(6.0), pytest.approx(22.0))  # first and last two counts
+
+
+def test_a_steady_backlog_has_no_slope_and_ends_where_it_starts():
+    trend = backlog_trend([6, 6, 5, 7, 6, 6, 7, 5, 6, 6])
+    assert abs(trend.slope) < 0.05
+    assert trend.start == trend.end == 6.0
+
+
+def test_fewer_than_two_counts_make_no_trend():
+    assert backlog_trend([]) is None and backlog_trend([4]) is None
+
+
+class HeldStream:
+    """A stream whose requests end once the test lets them."""
+
+    def __init__(self, release: threading.Event):
+        self.release = release
+
+    def request(self, clip: Clip, due: float | None = None) -> RequestOutcome:
+        self.release.wait()
+        return RequestOutcome(clip.seconds, ended=time.perf_counter())
+
+
+class OnePool:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def take(self, count: int) -> list:
+        return [self.stream]
+
+
+def test_the_open_loop_counts_every_arrival_in_flight_until_it_ends_started_or_not():
+    release = threading.Event()
+    clip = Clip(1.0, 50 * SAMPLES_PER_FRAME, lambda grpc: [])
+    start_at = time.perf_counter() + 0.1
+    timer = threading.Timer(2.6, release.set)  # after the last count, at 2.1 s
+    timer.start()
+    share = open_arrivals(OnePool(HeldStream(release)), (clip,), rate=20.0, duration=2.0, streams=1, seed=[1],
+                          start_at=start_at, label="test")
+    arrivals = [at for at, _ in poisson_arrivals(20.0, 2.0, 1, np.random.default_rng([1]))]
+    # One stream, held: the first arrival runs, the others find it busy; none has ended at either count.
+    assert share.in_flight == [sum(at <= 1.0 for at in arrivals), len(arrivals)]
+    assert share.not_started == len(arrivals) - 1 and len(share.outcomes) == 1
