@@ -16,10 +16,10 @@ graph; Inductor's caches (the start-up artifacts, serving/artifacts.py) keep
 the generated code across restarts, so a warm start pays Dynamo's tracing only.
 
 Fused kernels keep their intermediates in fp32, where the eager step rounds each
-op's output to bf16; left so, the compiled velocity differed from the eager bf16
-one by more than bf16's rounding over the blocks (relative L2 1.6e-2 on an H200).
-Inductor is told to round where eager rounds (`emulate_precision_casts`), at no
-measured cost (benchmarks/bench_dit_step.py prints both figures).
+op's output to bf16; left so, the two bf16 answers drift apart over the blocks.
+Inductor is told to round where eager rounds (`emulate_precision_casts`), which
+keeps the compiled velocity within bf16's rounding of the eager one at no
+measurable cost (benchmarks/studies/dit-step-kernels.md).
 """
 
 from __future__ import annotations
