@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,7 +40,7 @@ import torch
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
 from .step_graph import DiTGraphCache
-from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, load_transformer, read_config
+from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, ModulationTable, load_transformer, read_config
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ CFG_MIN = 1e-5
 FLASH_STEPS = 4
 # The released sampling defaults (steps, guidance, sway) where a checkpoint states none.
 DEFAULTS = {"nfe": 32, "cfg": 2.0, "sway": -1.0}
+# Modulation tables kept, one per time grid, the least recently used dropped first. A served
+# recipe has one grid (a few for base requests that change their steps or sway): each run
+# of it looks its table up instead of reading every AdaLN's weights again.
+MODULATION_TABLES_KEPT = 8
 
 
 # --------------------------------------------------------------------------- schedule
@@ -277,6 +282,7 @@ class AuKDiTSampler:
         self.frame_rate = self.sample_rate / self.hop
         self.latent_dim = transformer.latent_dim
         self.text_dim = transformer.text_hidden_dim
+        self._tables: OrderedDict[tuple[float, ...], ModulationTable] = OrderedDict()
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir, device="cpu", dtype=torch.float32, **kwargs) -> "AuKDiTSampler":
@@ -478,9 +484,22 @@ class AuKDiTSampler:
                     ref_mask[i, : plan.ref.shape[0]] = True
         with self._autocast():
             ctx = self.model.prepare(text, n, c_mask=c_mask, ref=ref, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
-            # Every step's modulation, once: the grid's last point is never a step's time.
-            ctx.modulation = self.model.modulation_table(plans[0].schedule.grid[:-1])
+        ctx.modulation = self.modulation_table(plans[0].schedule.grid)
         return ctx, noise, mask
+
+    def modulation_table(self, grid: torch.Tensor) -> ModulationTable:
+        """The modulation of every step of a time grid (CPU), computed on its first run and kept
+        (MODULATION_TABLES_KEPT): it depends on the grid and the weights alone."""
+        key = tuple(grid.tolist())
+        table = self._tables.get(key)
+        if table is None:
+            with self._autocast():
+                # The grid's last point is never a step's time.
+                table = self._tables[key] = self.model.modulation_table(grid[:-1])
+            while len(self._tables) > MODULATION_TABLES_KEPT:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        return table
 
     @torch.inference_mode()
     def warmup(self, on_bucket: Callable[[RunShape, bool, int, float], None] | None = None) -> None:

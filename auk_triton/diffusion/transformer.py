@@ -360,7 +360,8 @@ EAGER_BLOCKS = BlockRunners()
 
 @dataclass(frozen=True)
 class ModulationTable:
-    """Every AdaLN's modulation at each time of a run's grid, computed once for the run.
+    """Every AdaLN's modulation at each time of a run's grid, computed once for the grid
+    (the sampler keeps it for that grid's later runs).
 
     The step looks its time up instead of running the 61 AdaLN linears (1.1 GB of
     bf16 weights at the released dims) again at every step. Rows hold exactly what

@@ -10,6 +10,7 @@ import torch
 from auk_triton.diffusion.transformer import CheckpointError
 from auk_triton.diffusion.sampler import (
     MAX_LATENT_FRAMES,
+    MODULATION_TABLES_KEPT,
     AuKDiTSampler,
     Request,
     SamplingStopped,
@@ -159,6 +160,30 @@ def test_one_forward_per_step_batch_two_when_guided(sampler, monkeypatch):
     batches.clear()
     sampler.generate(Request(_text(), 0.1, 0, num_steps=5, guidance=0.0, ref_latents=torch.randn(4, 64)))
     assert batches == [1] * 5
+
+
+def test_runs_of_one_time_grid_compute_its_modulation_table_once_and_sample_as_a_fresh_sampler_does(
+    sampler, tmp_path, monkeypatch
+):
+    computed = []
+    table = sampler.model.modulation_table
+    monkeypatch.setattr(sampler.model, "modulation_table",
+                        lambda times: computed.append(tuple(times.tolist())) or table(times))
+    sampler._tables.clear()
+    four = Request(_text(), 0.1, 3, num_steps=4)
+    first, again = sampler.generate(four), sampler.generate(Request(_text(seed=2), 0.2, 4, num_steps=4))
+    sampler.generate(Request(_text(), 0.1, 3, num_steps=5))
+    assert len(computed) == 2, "one table per grid: the second run of four steps looked its table up"
+    assert computed[0] == tuple(sampler.plan(four).schedule.grid[:-1].tolist())
+    assert torch.equal(sampler.generate(four), first) and again.shape == (10, 64)
+    ckpt = tmp_path / "dit"  # a sampler that never ran: its own table, the same latents
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(_config()))
+    write_synthetic_dit_checkpoint(ckpt, "small", seed=0)
+    assert torch.equal(load_sampler(ckpt).generate(four), first)
+    for steps in range(6, 6 + MODULATION_TABLES_KEPT + 2):  # the kept tables stay bounded
+        sampler.generate(Request(_text(), 0.1, 3, num_steps=steps))
+    assert len(sampler._tables) == MODULATION_TABLES_KEPT
 
 
 def test_should_stop_is_asked_before_any_work_and_between_steps_and_stops_the_sampling(sampler, monkeypatch):
