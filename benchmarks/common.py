@@ -318,20 +318,9 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
                                extra_args=["--exit-timeout-secs=5", *extra_args])
     log = open(log_path, "w")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    began = time.perf_counter()
     try:
-        while time.perf_counter() - began < ready_timeout_s:
-            if process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {process.returncode}; see {log_path}")
-            # A new HTTP connection per poll, as a readiness probe makes: a gRPC channel that kept
-            # failing to connect while the server warmed up backs off, for tens of seconds by then.
-            if all(model_ready(f"127.0.0.1:{ports['http']}", model) for model in models):
-                say(f"server ready in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
-                for line in startup_lines(log_path):
-                    say(f"  {line}")
-                return process, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
-            time.sleep(0.5)
-        raise RuntimeError(f"tritonserver not ready after {ready_timeout_s:g} s; see {log_path}")
+        wait_ready(process, f"127.0.0.1:{ports['http']}", models, log_path, ready_timeout_s, "tritonserver")
+        return process, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['metrics']}"
     except BaseException:  # not ready, or Ctrl-C while waiting: the caller never gets the process to stop
         if process.poll() is None:
             process.kill()
@@ -362,18 +351,9 @@ def start_launcher(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,
     log = open(log_path, "w")
     process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5",
                                 *extra_args], env=env, stdout=log, stderr=subprocess.STDOUT)
-    began = time.perf_counter()
     try:
-        while time.perf_counter() - began < ready_timeout_s:
-            if process.poll() is not None:
-                raise RuntimeError(f"the launcher exited with {process.returncode}; see {log_path}")
-            if all(model_ready(f"127.0.0.1:{public['http']}", model) for model in models):
-                say(f"ready through the front door in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
-                for line in startup_lines(log_path):
-                    say(f"  {line}")
-                return process, public, internal
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready through the front door after {ready_timeout_s:g} s; see {log_path}")
+        wait_ready(process, f"127.0.0.1:{public['http']}", models, log_path, ready_timeout_s, "the launcher")
+        return process, public, internal
     except BaseException:  # not ready, or Ctrl-C while waiting: the caller never gets the process to stop
         if process.poll() is None:
             process.terminate()  # the launcher stops its tritonserver first; a kill would leave it running
@@ -383,6 +363,25 @@ def start_launcher(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,
                 process.kill()
                 process.wait(timeout=30)
         raise
+
+
+def wait_ready(process: subprocess.Popen, http_url: str, models, log_path: Path, timeout_s: float, what: str) -> None:
+    """Poll until every model answers READY on `http_url` (`what` serves it), then print the
+    start-up lines of `log_path`; raise if `process` exits first or `timeout_s` passes.
+
+    A new HTTP connection per poll, as a readiness probe makes: a gRPC channel that kept
+    failing to connect while the server warmed up backs off, for tens of seconds by then."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout_s:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}; see {log_path}")
+        if all(model_ready(http_url, model) for model in models):
+            say(f"ready through {what} in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
+            for line in startup_lines(log_path):
+                say(f"  {line}")
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready through {what} after {timeout_s:g} s; see {log_path}")
 
 
 def model_ready(http_url: str, model: str) -> bool:
