@@ -215,14 +215,25 @@ class TritonPythonModel:
                     return
                 watched = [forward for forward in self.forwarded if not forward.cancelled]
             for forward in watched:
-                try:
-                    gone = forward.request.is_cancelled()
-                except Exception:  # the request cannot be asked: it has been answered
-                    continue
-                if gone:
+                if self._client_gone(forward):
                     forward.cancelled = True
                     self._cancel(forward)
             time.sleep(CANCEL_SWEEP_S)
+
+    def _client_gone(self, forward: Forward) -> bool:
+        """Whether a forwarded request's client has gone, asked only while it is still forwarded.
+
+        A request is answered after its worker has taken it out of `forwarded` under the lock,
+        and Triton frees its response factory with the final response: asking a request
+        answered a moment before crashed tritonserver (seen on Triton 2.51, a SIGSEGV in
+        TRITONBACKEND_ResponseFactoryIsCancelled). Under the lock it is asked before that."""
+        with self.lock:
+            if forward not in self.forwarded:
+                return False
+            try:
+                return forward.request.is_cancelled()
+            except Exception:  # the request cannot be asked: its client is not waiting on it
+                return False
 
     def _cancel(self, forward: Forward) -> None:
         """Cancel a forwarded request's call: the decode model stops it at its next iteration.

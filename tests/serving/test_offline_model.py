@@ -100,3 +100,30 @@ def test_a_forwarded_request_stopped_before_its_last_tile_is_not_complete(model)
 def test_a_tile_that_does_not_follow_the_last_one_fails_the_request_naming_both_samples(model):
     with pytest.raises(RuntimeError, match="the tile at sample 4 where the one at sample 3 was due"):
         model._gather(iter([Response(0, 3), Response(4, 3)]), "WAVEFORM")
+
+
+class AskedRequest:
+    """A forwarded request that records the model's state whenever it is asked about its client."""
+
+    def __init__(self, model, answer: bool):
+        self.model, self.answer, self.asked = model, answer, []
+
+    def is_cancelled(self) -> bool:
+        self.asked.append(self.model.lock.locked())
+        return self.answer
+
+
+def test_a_forwarded_request_is_asked_about_its_client_only_under_the_lock_while_still_forwarded(model):
+    import threading
+
+    from auk_triton.serving.offline_model import Forward
+
+    model.lock, model.forwarded = threading.Lock(), set()
+    request = AskedRequest(model, answer=True)
+    forward = Forward(request, "token", 64)
+    model.forwarded.add(forward)
+    assert model._client_gone(forward) and request.asked == [True]
+    # Its worker took it out (under the lock) to answer it: Triton frees what is_cancelled
+    # reads with that answer, so it is never asked again.
+    model.forwarded.discard(forward)
+    assert not model._client_gone(forward) and request.asked == [True]
