@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -74,6 +74,9 @@ class Forward:
     token: str  # its call's config.CALL_TOKEN_PARAMETER
     latent_width: int
     cancelled: bool = False  # its client went, and its call was cancelled
+    # Asking the request about its client, and ending its forwarding, one at a time (_client_gone).
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False  # its call has returned: it is about to be answered
 
 
 class TritonPythonModel:
@@ -174,6 +177,8 @@ class TritonPythonModel:
         try:
             tiles, complete = self._gather(call.exec(decoupled=True), name)
         finally:
+            with forward.lock:  # after a question in progress, before the answer (_client_gone)
+                forward.ended = True
             with self.lock:
                 self.forwarded.discard(forward)
         if forward.cancelled:
@@ -221,14 +226,15 @@ class TritonPythonModel:
             time.sleep(CANCEL_SWEEP_S)
 
     def _client_gone(self, forward: Forward) -> bool:
-        """Whether a forwarded request's client has gone, asked only while it is still forwarded.
+        """Whether a forwarded request's client has gone, asked only until its call has ended.
 
-        A request is answered after its worker has taken it out of `forwarded` under the lock,
-        and Triton frees its response factory with the final response: asking a request
+        Triton frees a request's response factory with its final response: asking a request
         answered a moment before crashed tritonserver (seen on Triton 2.51, a SIGSEGV in
-        TRITONBACKEND_ResponseFactoryIsCancelled). Under the lock it is asked before that."""
-        with self.lock:
-            if forward not in self.forwarded:
+        TRITONBACKEND_ResponseFactoryIsCancelled). Its worker marks it ended under its own
+        lock before answering it, so a question is over before the answer, or not asked. The
+        lock is the request's own: a slow round trip holds up no other worker."""
+        with forward.lock:
+            if forward.ended:
                 return False
             try:
                 return forward.request.is_cancelled()

@@ -103,27 +103,24 @@ def test_a_tile_that_does_not_follow_the_last_one_fails_the_request_naming_both_
 
 
 class AskedRequest:
-    """A forwarded request that records the model's state whenever it is asked about its client."""
+    """A forwarded request that records, whenever it is asked about its client, whether its
+    forward's lock was held."""
 
-    def __init__(self, model, answer: bool):
-        self.model, self.answer, self.asked = model, answer, []
+    def __init__(self, answer: bool):
+        self.answer, self.asked, self.forward = answer, [], None
 
     def is_cancelled(self) -> bool:
-        self.asked.append(self.model.lock.locked())
+        self.asked.append(self.forward.lock.locked())
         return self.answer
 
 
-def test_a_forwarded_request_is_asked_about_its_client_only_under_the_lock_while_still_forwarded(model):
-    import threading
-
+def test_a_forwarded_request_is_asked_about_its_client_under_its_own_lock_and_never_once_its_call_ended(model):
     from auk_triton.serving.offline_model import Forward
 
-    model.lock, model.forwarded = threading.Lock(), set()
-    request = AskedRequest(model, answer=True)
-    forward = Forward(request, "token", 64)
-    model.forwarded.add(forward)
+    request = AskedRequest(answer=True)
+    forward = request.forward = Forward(request, "token", 64)
     assert model._client_gone(forward) and request.asked == [True]
-    # Its worker took it out (under the lock) to answer it: Triton frees what is_cancelled
-    # reads with that answer, so it is never asked again.
-    model.forwarded.discard(forward)
+    # Its worker marks it ended (under that lock) before answering it: Triton frees what
+    # is_cancelled reads with the answer, so it is never asked again.
+    forward.ended = True
     assert not model._client_gone(forward) and request.asked == [True]
