@@ -135,11 +135,11 @@ def main() -> None:
     answered_by = f"{args.preset} (synthetic)" if args.floor is None else f"the floor model ({args.floor:g} ms)"
     say(heading(f"The front door's cost at one client, {answered_by}, {args.seconds:g} s clip, PCM16", args.device))
     models = (model, OFFLINE_MODEL) if args.http else (model,)
-    device = "gpu" if args.device == "cuda" else "cpu"
     repository = model_repository_copy(work / "model_repository", [BUCKET])
     if args.floor is not None:
-        add_floor_model(repository, args.floor, BUCKET, "cuda" if device == "gpu" else "cpu")
-    process, public, internal = start_launcher(checkpoint, work / "cache", work / "launcher.log", models, device=device,
+        add_floor_model(repository, args.floor, BUCKET, args.device)
+    process, public, internal = start_launcher(checkpoint, work / "cache", work / "launcher.log", models,
+                                               device="gpu" if args.device == "cuda" else "cpu",
                                                model_repository=repository)
     ways = {
         "stream gRPC": lambda port: StreamClient(f"127.0.0.1:{port['grpc']}", latents, model),

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from common import heading, recipe_checkpoints, start_server
+from common import heading, recipe_checkpoints, recipes, start_server
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
-RECIPES = {"base": dict(num_steps=32, guidance=2.0, sway=-1.0), "flash": {}}
+RECIPES = recipes()
 
 
 def in_process(checkpoint: Path, recipe: dict, embeds: np.ndarray, seconds: float, reps: int, graphs: int) -> float:
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=64, help="prompt tokens (seeded stand-in embeddings)")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", default=["base", "flash"], choices=list(RECIPES))
     parser.add_argument("--no-server", action="store_true", help="only the in-process DiT times")
     parser.add_argument("--cache-dir", default=None, help="checkpoints and compile caches (reused across runs)")
     parser.add_argument("--log", default="tritonserver-pipeline.log")
