@@ -58,7 +58,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
 from auk_triton.diffusion.buckets import ShapeBuckets
-from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request
+from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request, euler_integrate
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
 from auk_triton.serving.config import DiTSettings, use_compile_cache
 from common import compile_time_breakdown, heading, median_ms, rel_l2, say
@@ -226,6 +226,60 @@ def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileO
     return results
 
 
+def request_phases(model, frames: int, tokens: int, device, dtype, options: CompileOptions, runs: int = 20) -> list[str]:
+    """Where one flash request's time goes in the sampler as auk_dit serves it on a GPU (the
+    default bucket that holds it, compiled and graphed): wall ms per phase, each synchronized,
+    median of `runs`; then the whole run as `execute` makes it, and the steps' GPU time alone."""
+    settings = DiTSettings()
+    buckets = settings.shape_buckets()
+    shape = buckets.shape(tokens, frames)
+    bucket = ShapeBuckets((shape.text,), (shape.frames,), (), max_tokens=shape.tokens, max_requests=1)
+    served = AuKDiTSampler(model, sampler_config(model, "flash"), device, dtype, buckets=bucket, compile=options)
+    served.warmup()
+    text = torch.randn(tokens, model.text_hidden_dim, generator=torch.Generator().manual_seed(1))
+    request = Request(text, frames / served.frame_rate, 7)
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - began) * 1e3
+
+    phases: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        plan = served.plan(request)
+        ctx, noise, mask = served._batch_context([plan], False)
+        velocity = served.graphs.velocity(ctx, noise.shape)
+        grid = plan.schedule.grid
+        for _ in range(runs):
+            for name, fn in (
+                ("plan (the request's checks)", lambda: served.plan(request)),
+                ("context (prompt projection, noise, masks) and loading the graph's inputs",
+                 lambda: served.graphs.velocity(*((c := served._batch_context([plan], False))[0], c[1].shape))),
+                (f"{grid.numel() - 1} steps (graph replays and the Euler updates)",
+                 lambda: euler_integrate(velocity, noise, grid, 0.0, None, mask)),
+                ("generate_batch (context, steps, the finite check)", lambda: served.generate_batch([plan])[0]),
+                ("the whole run, as execute makes it (plan, sampling, to the CPU)",
+                 lambda: served.generate_batch([served.plan(request)])[0].to("cpu")),
+            ):
+                phases.setdefault(name, []).append(timed(fn))
+        gpu = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            euler_integrate(velocity, noise, grid, 0.0, None, mask)
+            end.record()
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+    assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
+    lines = [f"one flash request, {frames} frames + {tokens} tokens in bucket {shape.text} x {shape.frames}, "
+             f"wall ms per phase (median of {runs}):"]
+    lines += [f"  {name}: {statistics.median(ms):.2f}" for name, ms in phases.items()]
+    lines.append(f"  the steps' GPU time (CUDA events): {statistics.median(gpu):.2f}")
+    return lines
+
+
 def bucket_warmup(model, variant: str, device, dtype) -> None:
     """Build auk_dit's default buckets as its initialize does, and say what that took."""
     settings = DiTSettings()
@@ -267,6 +321,8 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config options for the compiled step")
     parser.add_argument("--no-whole-runs", action="store_true", help="skip the whole flash and base runs")
+    parser.add_argument("--request", action="store_true",
+                        help="only where one flash request's time goes in the sampler, phase by phase (GPU)")
     args = parser.parse_args()
     preset = args.preset or ("small" if args.small else "auk")
     device = torch.device(args.device or ("cpu" if args.small else "cuda"))
@@ -292,6 +348,12 @@ def main() -> None:
         return
     options = CompileOptions(dynamic=not args.static, backend=backend)
     set_inductor_options(args.inductor)
+    if args.request:
+        if device.type != "cuda":
+            sys.exit("--request replays the served graphs: it needs a GPU")
+        for line in request_phases(model, frames, tokens, device, dtype, options):
+            say(line)
+        return
     if args.inductor:
         say(f"Inductor options: {' '.join(args.inductor)}")
     blocks = compiled_blocks(options)

@@ -23,7 +23,8 @@ finds none (a request past the largest bucket) is logged and counted
 (`auk_dit_fallback_runs_total`). A request that breaks a limit (duration, steps,
 MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
 (INVALID_ARG) before any sampling and its batch runs without it. A request whose
-client is gone stops before sampling or at the next Euler step (CANCELLED).
+client is gone stops before sampling or at an Euler step (CANCELLED): each row's client is
+asked at most every CANCEL_CHECK_S (requests.py), a round trip that the steps would wait for.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .artifacts import use_artifacts
 from .config import DiTSettings
 from .metrics import DiTMetrics
 from .errors import RequestCancelled
-from .requests import dit_plan, one_row
+from .requests import dit_plan, one_row, throttled_check
 from .triton_common import failure_response, log
 from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
@@ -110,6 +111,7 @@ class TritonPythonModel:
 
         Responses go through each request's sender (execute returns None), so a run's
         latents reach the pipeline's decoder without waiting for the runs after it."""
+        began = time.monotonic()
         senders = [request.get_response_sender() for request in requests]
         planned = []  # (request index, plan)
         for index, request in enumerate(requests):
@@ -123,11 +125,8 @@ class TritonPythonModel:
             rows = [planned[i] for i in run]
             before = self._fallbacks()
             try:
-                # Asked before sampling and between steps, per row: one round trip each, next
-                # to steps that take milliseconds.
-                results = self.sampler.generate_batch(
-                    [plan for _, plan in rows], [requests[index].is_cancelled for index, _ in rows]
-                )
+                checks = [throttled_check(requests[index].is_cancelled, began) for index, _ in rows]
+                results = self.sampler.generate_batch([plan for _, plan in rows], checks)
             except Exception as err:  # the run itself failed (out of memory): every row of it
                 results = [err] * len(rows)
             for (index, _), result in zip(rows, results):
