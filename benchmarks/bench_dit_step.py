@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import gc
 import statistics
 import sys
 import tempfile
@@ -277,6 +278,10 @@ def request_phases(model, frames: int, tokens: int, device, dtype, options: Comp
              f"wall ms per phase (median of {runs}):"]
     lines += [f"  {name}: {statistics.median(ms):.2f}" for name, ms in phases.items()]
     lines.append(f"  the steps' GPU time (CUDA events): {statistics.median(gpu):.2f}")
+    began = time.perf_counter()
+    gc.collect()
+    lines.append(f"a full garbage collection in this process (the model built and compiled, "
+                 f"{len(gc.get_objects())} objects tracked): {(time.perf_counter() - began) * 1e3:.1f} ms")
     return lines
 
 

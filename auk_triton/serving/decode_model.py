@@ -40,6 +40,7 @@ from .triton_common import (
     WAVEFORM,
     WAVEFORM_PCM16,
     failure_response,
+    freeze_heap,
     log,
     request_parameters,
     wants_pcm16,
@@ -174,6 +175,7 @@ class TritonPythonModel:
         # The scheduler's thread builds the graphs it replays (capture and replay on one thread).
         self.scheduler.start(warmup=lambda: self.graph.warmup(self.device, on_bucket=on_bucket))
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
+        freeze_heap()
         log(
             "info",
             f"{self.name}: ready (one response per tile; "

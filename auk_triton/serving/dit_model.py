@@ -45,7 +45,7 @@ from .config import DiTSettings
 from .metrics import DiTMetrics
 from .errors import RequestCancelled
 from .requests import dit_plan, one_row, throttled_check
-from .triton_common import failure_response, log
+from .triton_common import failure_response, freeze_heap, log
 from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,6 +85,7 @@ class TritonPythonModel:
                      f"in {time.perf_counter() - began:.1f} s")
         self.metrics = DiTMetrics({"model": self.name, "version": str(args["model_version"])})
         self._warm_up(compiled)
+        freeze_heap()
 
     def _warm_up(self, compiled: bool) -> None:
         """Capture every bucket's step graphs (compiling the step first, when on) before READY."""

@@ -12,6 +12,7 @@ data where the environment has numpy 2, while DLPack describes the buffer itself
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 
 import numpy as np
@@ -34,6 +35,17 @@ def log(level: str, message: str) -> None:
         print(f"{level}: {message}", flush=True)
     else:
         getattr(logger, f"log_{level}")(message)
+
+
+def freeze_heap() -> None:
+    """Leave what `initialize` built out of the cyclic garbage collector's passes (gc.freeze).
+
+    A model that compiled at load keeps millions of Python objects for its life (Dynamo's
+    and Inductor's caches, the traced graphs). Each full collection walked them all on the
+    thread that was serving, a stall of tens of milliseconds in the middle of a request
+    (benchmarks/studies/pipeline-first-audio.md). Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def request_parameters(request) -> dict:
