@@ -94,6 +94,7 @@ from common import (
     clip_latents,
     heading,
     model_repository_copy,
+    percentile,
     read_traces,
     recipe_checkpoints,
     recipes,
@@ -917,8 +918,19 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def traces_by_request_id(trace_file: Path) -> dict[str, list[tuple[str, int]]]:
-    """Request id -> the (name, ns) timestamps Triton traced for it, in time order."""
-    return {request.request_id: request.stamps for request in read_traces(trace_file).values()}
+    """Request id -> the (name, ns) timestamps Triton traced for it, in time order. An
+    ensemble's steps (traces whose parent is the request's) join it, each stamp named
+    after its model: "auk_dit COMPUTE_START"."""
+    traced = read_traces(trace_file)
+    stamps: dict[str, list[tuple[str, int]]] = {}
+    for request in traced.values():
+        parent = traced.get(request.parent) if request.parent is not None else None
+        if parent is None:
+            stamps.setdefault(request.request_id, []).extend(request.stamps)
+        else:
+            stamps.setdefault(parent.request_id, []).extend((f"{request.model} {name}", ns)
+                                                            for name, ns in request.stamps)
+    return {request_id: sorted(found, key=lambda stamp: stamp[1]) for request_id, found in stamps.items()}
 
 
 def print_slowest_traces(runs: list, traces: dict, count: int) -> None:
@@ -940,6 +952,49 @@ def print_slowest_traces(runs: list, traces: dict, count: int) -> None:
                     steps.append(f"{name} {(ns - sent_ns) / 1e6:.1f}")
             say(f"  {outcome.request_id} ({outcome.clip_seconds:g} s clip): first audio {outcome.first_audio_ms:.1f}; "
                 + (", ".join(steps) if steps else "not traced"))
+
+
+# Where a pipeline request's first audio goes on the server, between two traced stamps each
+# (the first of each name: the way to the first tile).
+PIPELINE_PHASES = (
+    ("waiting for auk_dit", "REQUEST_START", "auk_dit COMPUTE_START"),
+    ("auk_dit's execute (its batch)", "auk_dit COMPUTE_START", "auk_dit COMPUTE_END"),
+    ("decode to the first tile", "auk_vae_decode REQUEST_START", "INFER_RESPONSE_COMPLETE"),
+    ("the server's first audio", "REQUEST_START", "INFER_RESPONSE_COMPLETE"),
+)
+
+
+def phase_percentiles(stamps: list[dict[str, int]]) -> dict[str, tuple[float, float, float]]:
+    """Per PIPELINE_PHASES phase: its p50, p90 and p99 in ms over the requests traced with both
+    of its stamps. `stamps`: per request, each stamp name's first ns."""
+    phases = {}
+    for name, begin, end in PIPELINE_PHASES:
+        spans = [(found[end] - found[begin]) / 1e6 for found in stamps if begin in found and end in found]
+        if spans:
+            phases[name] = tuple(percentile(spans, q) for q in (50, 90, 99))
+    return phases
+
+
+def print_pipeline_phases(runs: list, traces: dict) -> None:
+    """Each run's server-side phases of first audio, from the traces, and what was left outside
+    the server (client, front door, network): the client's first audio less the server's."""
+    for run in runs:
+        stamps, outside = [], []
+        for outcome in run.done():
+            found: dict[str, int] = {}
+            for name, ns in traces.get(outcome.request_id, []):
+                found.setdefault(name, ns)
+            stamps.append(found)
+            if outcome.first_audio_ms is not None and {"REQUEST_START", "INFER_RESPONSE_COMPLETE"} <= found.keys():
+                outside.append(outcome.first_audio_ms - (found["INFER_RESPONSE_COMPLETE"] - found["REQUEST_START"]) / 1e6)
+        phases = phase_percentiles(stamps)
+        if not phases:
+            continue
+        if outside:
+            phases["outside the server"] = tuple(percentile(outside, q) for q in (50, 90, 99))
+        say(f"\nwhere first audio went, {run.mode} {run.load} (ms, p50 / p90 / p99):")
+        for name, (p50, p90, p99) in phases.items():
+            say(f"  {name}: {p50:.1f} / {p90:.1f} / {p99:.1f}")
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -1313,7 +1368,10 @@ def main() -> None:
     if pipeline:
         print_pipeline_summary(runs, baseline, args.recipe)
     if args.trace:  # written as the server stopped
-        print_slowest_traces(runs, traces_by_request_id(Path(args.trace)), args.trace_slowest)
+        traces = traces_by_request_id(Path(args.trace))
+        if pipeline:
+            print_pipeline_phases(runs, traces)
+        print_slowest_traces(runs, traces, args.trace_slowest)
     failed = sum(len(run.errors()) for run in runs)
     if failed:
         say(f"{failed} requests failed")

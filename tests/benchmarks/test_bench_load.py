@@ -114,3 +114,21 @@ def test_the_open_loop_counts_every_arrival_in_flight_until_it_ends_started_or_n
     # One stream, held: the first arrival runs, the others find it busy; none has ended at either count.
     assert share.in_flight == [sum(at <= 1.0 for at in arrivals), len(arrivals)]
     assert share.not_started == len(arrivals) - 1 and len(share.outcomes) == 1
+
+
+def test_the_first_audio_phases_come_from_each_request_s_own_stamps_and_skip_what_was_not_traced():
+    from bench_load import phase_percentiles
+
+    ms = 1_000_000
+    traced = [
+        {"REQUEST_START": 0, "auk_dit COMPUTE_START": 2 * ms, "auk_dit COMPUTE_END": 22 * ms,
+         "auk_vae_decode REQUEST_START": 23 * ms, "INFER_RESPONSE_COMPLETE": 27 * ms},
+        {"REQUEST_START": 100 * ms, "auk_dit COMPUTE_START": 140 * ms, "auk_dit COMPUTE_END": 200 * ms,
+         "auk_vae_decode REQUEST_START": 201 * ms, "INFER_RESPONSE_COMPLETE": 209 * ms},
+        {"REQUEST_START": 300 * ms},  # not traced past its start: in no phase
+    ]
+    phases = phase_percentiles(traced)
+    assert phases["waiting for auk_dit"] == pytest.approx((21.0, 36.2, 39.62))
+    assert phases["auk_dit's execute (its batch)"][0] == pytest.approx(40.0)
+    assert phases["decode to the first tile"][0] == pytest.approx(6.0)
+    assert phases["the server's first audio"][2] == pytest.approx(27 + 0.99 * (109 - 27))
