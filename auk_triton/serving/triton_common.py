@@ -1,7 +1,7 @@
-"""What every Python-backend model shares with Triton, without torch: logging, a request's
-parameters, errors as responses, which waveform a request asks for, and numpy arrays as
-output tensors. The offline model, which imports no torch, needs no more than this;
-`triton_io.py` adds what the torch models need.
+"""What every Python-backend model shares with Triton, without torch: logging, the heap frozen
+after load, a request's parameters, errors as responses, which waveform a request asks for,
+and numpy arrays as output tensors. The offline model, which imports no torch, needs no more
+than this; `triton_io.py` adds what the torch models need.
 
 Tensors cross by DLPack (`np.from_dlpack(tensor)` in, `array_tensor` out), never through
 numpy's own interface: Triton 2.51's Python backend reads numpy 2 arrays with numpy 1's
@@ -40,9 +40,9 @@ def log(level: str, message: str) -> None:
 def freeze_heap() -> None:
     """Leave what `initialize` built out of the cyclic garbage collector's passes (gc.freeze).
 
-    A model that compiled at load keeps millions of Python objects for its life (Dynamo's
-    and Inductor's caches, the traced graphs). Each full collection walked them all on the
-    thread that was serving, a stall of tens of milliseconds in the middle of a request
+    A model that compiled at load keeps a great many Python objects for its life (Dynamo's
+    and Inductor's caches, the traced graphs), and each full collection walked them all on
+    the thread that was serving: stalls of tens of milliseconds in the middle of a request
     (benchmarks/studies/pipeline-first-audio.md). Objects made later are collected as usual."""
     gc.collect()
     gc.freeze()
