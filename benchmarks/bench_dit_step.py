@@ -29,6 +29,9 @@ the latents.
 profiler over a few calls of the step: kernel time by kind, kernels per step, the
 longest kernels), the table of the diffusion issue. `--inductor KEY=VALUE` sets an
 Inductor option (`torch._inductor.config`) for the compiled step, to weigh one.
+`--request` instead times one flash request as `auk_dit` samples it on a GPU, phase
+by phase (its checks, its context, the steps, the whole run), and one full garbage
+collection in a process that compiled.
 
 The compile caches go to a fresh folder unless `--cache-dir` names one: run twice
 with the same folder for a warm start's figures. `--buckets` instead builds what
@@ -253,11 +256,15 @@ def request_phases(model, frames: int, tokens: int, device, dtype, options: Comp
         ctx, noise, mask = served._batch_context([plan], False)
         velocity = served.graphs.velocity(ctx, noise.shape)
         grid = plan.schedule.grid
+
+        def context():
+            run_ctx, run_noise, _ = served._batch_context([plan], False)
+            served.graphs.velocity(run_ctx, run_noise.shape)
+
         for _ in range(runs):
             for name, fn in (
                 ("plan (the request's checks)", lambda: served.plan(request)),
-                ("context (prompt projection, noise, masks) and loading the graph's inputs",
-                 lambda: served.graphs.velocity(*((c := served._batch_context([plan], False))[0], c[1].shape))),
+                ("context (prompt projection, noise, masks) and loading the graph's inputs", context),
                 (f"{grid.numel() - 1} steps (graph replays and the Euler updates)",
                  lambda: euler_integrate(velocity, noise, grid, 0.0, None, mask)),
                 ("generate_batch (context, steps, the finite check)", lambda: served.generate_batch([plan])[0]),
