@@ -69,6 +69,7 @@ import queue
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -975,6 +976,22 @@ def phase_percentiles(stamps: list[dict[str, int]]) -> dict[str, tuple[float, fl
     return phases
 
 
+def dit_executes(stamps: list[dict[str, int]]) -> dict[int, list[float]]:
+    """`auk_dit`'s executes among these requests (per request, each stamp name's first ns), by
+    how many of them each execute held: their durations in ms. The requests of one execute
+    share its COMPUTE_START; an execute ends at its last COMPUTE_END."""
+    executes: dict[int, list[int]] = {}  # COMPUTE_START -> [last end, requests]
+    for found in stamps:
+        start, end = found.get("auk_dit COMPUTE_START"), found.get("auk_dit COMPUTE_END")
+        if start is not None and end is not None:
+            execute = executes.setdefault(start, [end, 0])
+            execute[0], execute[1] = max(execute[0], end), execute[1] + 1
+    by_size: dict[int, list[float]] = {}
+    for start, (end, size) in executes.items():
+        by_size.setdefault(size, []).append((end - start) / 1e6)
+    return dict(sorted(by_size.items()))
+
+
 def print_pipeline_phases(runs: list, traces: dict) -> None:
     """Each run's server-side phases of first audio, from the traces, and what was left outside
     the server (client, front door, network): the client's first audio less the server's."""
@@ -995,6 +1012,9 @@ def print_pipeline_phases(runs: list, traces: dict) -> None:
         say(f"\nwhere first audio went, {run.mode} {run.load} (ms, p50 / p90 / p99):")
         for name, (p50, p90, p99) in phases.items():
             say(f"  {name}: {p50:.1f} / {p90:.1f} / {p99:.1f}")
+        sizes = dit_executes(stamps)
+        say(f"  auk_dit's executes: {sum(len(v) for v in sizes.values())}; by requests held, count and median ms: "
+            + ", ".join(f"{size}: {len(ms)} x {statistics.median(ms):.1f}" for size, ms in sizes.items()))
 
 
 # ---- the report -----------------------------------------------------------------------------

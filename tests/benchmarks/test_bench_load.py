@@ -132,3 +132,16 @@ def test_the_first_audio_phases_come_from_each_request_s_own_stamps_and_skip_wha
     assert phases["auk_dit's execute (its batch)"][0] == pytest.approx(40.0)
     assert phases["decode to the first tile"][0] == pytest.approx(6.0)
     assert phases["the server's first audio"][2] == pytest.approx(27 + 0.99 * (109 - 27))
+
+
+def test_dit_executes_are_told_apart_by_their_start_and_grouped_by_the_requests_they_held():
+    from bench_load import dit_executes
+
+    ms = 1_000_000
+
+    def request(start, end):
+        return {"REQUEST_START": 0, "auk_dit COMPUTE_START": start * ms, "auk_dit COMPUTE_END": end * ms}
+
+    traced = [request(10, 30), request(10, 31), request(50, 70), request(90, 140), request(90, 139),
+              {"REQUEST_START": 0}]  # never reached auk_dit
+    assert dit_executes(traced) == {1: [20.0], 2: [21.0, 50.0]}
