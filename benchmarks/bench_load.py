@@ -93,6 +93,7 @@ from common import (
     SAMPLES_PER_FRAME,
     SEED,
     clip_latents,
+    executes,
     heading,
     model_repository_copy,
     percentile,
@@ -978,16 +979,10 @@ def phase_percentiles(stamps: list[dict[str, int]]) -> dict[str, tuple[float, fl
 
 def dit_executes(stamps: list[dict[str, int]]) -> dict[int, list[float]]:
     """`auk_dit`'s executes among these requests (per request, each stamp name's first ns), by
-    how many of them each execute held: their durations in ms. The requests of one execute
-    share its COMPUTE_START; an execute ends at its last COMPUTE_END."""
-    executes: dict[int, list[int]] = {}  # COMPUTE_START -> [last end, requests]
-    for found in stamps:
-        start, end = found.get("auk_dit COMPUTE_START"), found.get("auk_dit COMPUTE_END")
-        if start is not None and end is not None:
-            execute = executes.setdefault(start, [end, 0])
-            execute[0], execute[1] = max(execute[0], end), execute[1] + 1
+    how many of them each execute held: their durations in ms."""
     by_size: dict[int, list[float]] = {}
-    for start, (end, size) in executes.items():
+    spans = ((found.get("auk_dit COMPUTE_START"), found.get("auk_dit COMPUTE_END")) for found in stamps)
+    for start, (end, size) in executes(spans).items():
         by_size.setdefault(size, []).append((end - start) / 1e6)
     return dict(sorted(by_size.items()))
 

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from auk_triton.diffusion import Request, load_sampler
-from common import (heading, model_repository_copy, percentile, read_traces, recipe_checkpoints, recipes, say,
-                    start_server, trace_arguments)
+from common import (executes, heading, model_repository_copy, percentile, read_traces, recipe_checkpoints, recipes,
+                    say, start_server, trace_arguments)
 
 MODELS = ("auk_dit", "auk_vae_decode", "auk_pipeline")
 MODES = {"off": "1", "on": ""}  # max_batch_requests: 1, or the shipped default
@@ -198,12 +198,8 @@ def dit_runs_report(trace_file: Path, window: tuple[float, float]) -> list[str]:
     """What tritonserver's trace says of auk_dit's sampler runs in the closed loop's window:
     how busy it was, and each batch size's run times (the first run of a size captures its
     step graph). The requests of one `execute` share its COMPUTE_START."""
-    runs: dict[int, list] = {}  # COMPUTE_START ns -> [end ns, rows]
-    for request in read_traces(trace_file).values():
-        start, end = request.first("COMPUTE_START"), request.first("COMPUTE_END")
-        if request.model == "auk_dit" and start is not None and end is not None:
-            run = runs.setdefault(start, [end, 0])
-            run[0], run[1] = max(run[0], end), run[1] + 1
+    runs = executes((request.first("COMPUTE_START"), request.first("COMPUTE_END"))
+                    for request in read_traces(trace_file).values() if request.model == "auk_dit")
     if not runs:
         return ["  no auk_dit traces (tritonserver wrote none)"]
     began, ended = (int(t * 1e9) for t in window)

@@ -464,6 +464,19 @@ class TracedRequest:
         return next((ns for found, ns in self.stamps if found == name), None)
 
 
+def executes(spans) -> dict[int, list[int]]:
+    """A model's executes from its requests' traced (COMPUTE_START, COMPUTE_END) ns, a pair
+    with a stamp missing (None) skipped: the requests of one execute share its start.
+    Start -> [its last end, its requests]."""
+    found: dict[int, list[int]] = {}
+    for start, end in spans:
+        if start is None or end is None:
+            continue
+        execute = found.setdefault(start, [end, 0])
+        execute[0], execute[1] = max(execute[0], end), execute[1] + 1
+    return found
+
+
 def read_traces(trace_file: Path) -> dict[int, TracedRequest]:
     """Trace id -> what Triton traced of that request ({} when it wrote nothing)."""
     if not trace_file.exists():
