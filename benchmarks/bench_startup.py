@@ -10,6 +10,9 @@ machine given the artifacts: a new `--cache-dir` with an existing `--artifacts-d
 After each start the models' start-up lines from the server log (Triton loading each,
 the Python backend starting its instance, the models' own lines) are printed with their
 offsets. Weights are a seeded synthetic checkpoint written beforehand (not real audio).
+`--serve-seconds` keeps each start serving that long after READY, one client decoding a
+10 s clip after another through the front door, and reports their first audio by time
+since READY: what a request meets while the deferred graphs are still being built.
 
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py --models auk_vae_decode auk_vae_decode_offline
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py \
@@ -26,13 +29,39 @@ import time
 from pathlib import Path
 
 from auk_triton.front_door.prepare import is_ready
-from common import MODEL, free_port, heading, say, startup_lines, synthetic_checkpoint
+from common import MODEL, free_port, heading, percentile, say, startup_lines, synthetic_checkpoint
 
 READY_TIMEOUT_S = 900.0
 
 
-def one_start(env: dict, log_path: Path) -> float:
-    """Launch, wait for READY, stop; the seconds from the command to READY."""
+def serve_after_ready(grpc_port: int, seconds: float) -> list[tuple[float, float]]:
+    """One client decoding 10 s clips back to back for `seconds`: (s since READY, first audio ms) each."""
+    from auk_client.stream import random_latents, stream_decode
+
+    clip = random_latents(10.0, seed=1)
+    ready, served = time.perf_counter(), []
+    while time.perf_counter() - ready < seconds:
+        began = time.perf_counter()
+        tiles = stream_decode(clip, url=f"127.0.0.1:{grpc_port}")
+        next(tiles)
+        first = time.perf_counter() - began
+        for _ in tiles:
+            pass
+        served.append((began - ready, first * 1e3))
+    return served
+
+
+def report_served(served: list[tuple[float, float]], window_s: float = 10.0) -> None:
+    """First audio per `window_s` since READY: requests, p50 and the slowest."""
+    for start in range(0, int(max(at for at, _ in served)) + 1, int(window_s)):
+        firsts = [ms for at, ms in served if start <= at < start + window_s]
+        if firsts:
+            say(f"  {start:4d}-{start + window_s:g} s after READY: {len(firsts)} requests, first audio "
+                f"p50 {percentile(firsts, 50):.1f} ms, slowest {max(firsts):.1f} ms")
+
+
+def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0) -> float:
+    """Launch, wait for READY, serve for `serve_seconds`, stop; the seconds from the command to READY."""
     ports = {name: free_port() for name in ("HTTP", "GRPC", "METRICS", "INTERNAL_HTTP", "INTERNAL_GRPC")}
     env = dict(env, AUK_ADDRESS="127.0.0.1", **{f"AUK_{name}_PORT": str(port) for name, port in ports.items()})
     with open(log_path, "w") as log:
@@ -46,7 +75,10 @@ def one_start(env: dict, log_path: Path) -> float:
                 if time.perf_counter() - began > READY_TIMEOUT_S:
                     raise RuntimeError(f"not READY after {READY_TIMEOUT_S:g} s; see {log_path}")
                 time.sleep(0.2)
-            return time.perf_counter() - began
+            ready = time.perf_counter() - began
+            if serve_seconds > 0:
+                report_served(serve_after_ready(ports["GRPC"], serve_seconds))
+            return ready
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=120)
@@ -62,6 +94,9 @@ def main() -> None:
                         help="AUK_CACHE_DIR (default: a new empty folder: the first start is cold)")
     parser.add_argument("--artifacts-dir", type=Path, default=None,
                         help="AUK_ARTIFACTS_DIR (default: artifacts in the cache folder)")
+    parser.add_argument("--serve-seconds", type=float, default=0.0,
+                        help="after READY, decode 10 s clips one after another for this long and report their "
+                             "first audio (default 0: stop at READY)")
     args = parser.parse_args()
 
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="auk-startup-"))
@@ -78,7 +113,7 @@ def main() -> None:
     for start in range(args.starts):
         state = "none yet" if cold and start == 0 else "present"
         log_path = cache / f"launcher-{start + 1}.log"
-        seconds = one_start(env, log_path)
+        seconds = one_start(env, log_path, args.serve_seconds)
         say(f"start {start + 1} (artifacts {state}): READY after {seconds:.1f} s; its start-up, from the log:")
         for line in startup_lines(log_path):
             say(f"  {line}")

@@ -112,7 +112,7 @@ def served_graph(checkpoint: Path, settings: DecodeSettings) -> AuKVAEDecodeGrap
         vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
         max_graphs=settings.max_graphs, compile_shapes=settings.buckets(), tile_frames=settings.tile_frames,
         first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
-        batch_frames=settings.batch_frames,
+        batch_frames=settings.batch_frames, compile_dynamic=settings.compile_dynamic,
     )
 
 
@@ -400,7 +400,7 @@ def model_ready(http_url: str, model: str) -> bool:
 LOG_LINE = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) +\d+ (\S+?):\d+\] (.*)$")
 # Where a model's start-up shows in the log: Triton loading it, the Python backend starting
 # its instance, and the model's own lines (loaded, buckets, ready).
-STARTUP_SOURCES = ("model_lifecycle.cc", "python_be.cc", "triton_io.py")
+STARTUP_SOURCES = ("model_lifecycle.cc", "python_be.cc", "triton_common.py")
 
 
 def startup_lines(log_path: Path) -> list[str]:

@@ -11,7 +11,9 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    zero, which is what the eager decode's own zero padding of `conv_pre` sees;
    only the last `right` frames (the upsamplers' lookahead) can notice the pad.
    Fused kernels round in another order, so these graphs are close to, not
-   bit-identical with, eager.
+   bit-identical with, eager. With `compile_dynamic` (the default) the time axis
+   is traced symbolically: Dynamo traces the decode once for every bucket, not
+   once per bucket.
 2. Tiling: a clip longer than `tile_frames` is decoded in windows that overlap
    by the decoder's receptive field (`AuKVAE.decode_context_frames()`); each
    window contributes only frames whose whole context lies inside it, so the
@@ -36,6 +38,14 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    decoded alone through a plain graph, which differs from its compiled bucket at
    the compiled tier's rounding.
 
+5. Deferred graphs (`warmup(defer=True)`): only the compile, the first tile's bucket
+   and the largest bucket are built before the service is ready; the other buckets and
+   the batched graphs are built after, on a thread of their own (`start_deferred`),
+   each handed over to the serving thread at its next decode. Until then a window
+   decodes in the next larger bucket built, and batched rows one at a time: served
+   at once by another tier, never captured at request time, and counted
+   (`pending_fallbacks`).
+
 Off CUDA, while an outer graph is being captured, or with `enabled=False`,
 everything runs eager (tiling included in `decode_tiles`; rows batch only with
 rows of the same length there, so no padding changes them).
@@ -46,6 +56,9 @@ Python backend runs a model instance's `execute` calls one after another).
 """
 
 import logging
+import queue
+import sys
+import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -71,6 +84,18 @@ class HostTile(NamedTuple):
     seconds: float
 
 
+class PendingGraph(NamedTuple):
+    """A graph left to build after the service is ready."""
+
+    frames: int  # its bucket
+    rows: int  # 1: the compiled bucket itself; more: that bucket's batched plain graph
+
+
+# The interpreter's switch interval while deferred graphs build beside the serving thread:
+# it bounds how long that thread waits for the GIL (the default is 5 ms).
+BUILD_SWITCH_INTERVAL_S = 0.0005
+
+
 class _Graph(NamedTuple):
     """One captured decode: its graph, static input and static output."""
 
@@ -94,8 +119,10 @@ class AuKVAEDecodeGraph:
         first_tile_frames: int | None = None,
         batch_sizes: Sequence[int] = (1,),
         batch_frames: int | None = None,
+        compile_dynamic: bool = True,
     ):
         self.vae = vae
+        self.compile_dynamic = bool(compile_dynamic)
         self.enabled = bool(enabled)
         self.frame_alignment = max(1, int(frame_alignment))
         self.max_graphs = max(1, int(max_graphs))
@@ -131,6 +158,13 @@ class AuKVAEDecodeGraph:
         self._uncapturable_rows: set[tuple[int, int]] = set()
         self._compiled_decode: Callable | None = None
         self._zero_latent = vae.zero_latent()
+        # Deferred graphs: what is left to build, what is built and not yet handed over,
+        # the builder's thread, and the windows served meanwhile by another tier.
+        self._pending: set[PendingGraph] = set()
+        self._built: queue.SimpleQueue = queue.SimpleQueue()
+        self._builder: threading.Thread | None = None
+        self._stop_building = threading.Event()
+        self.pending_fallbacks = 0
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -162,6 +196,7 @@ class AuKVAEDecodeGraph:
 
         Views into graph buffers where a graph served them: copy them before the next decode.
         """
+        self._take_built()
         if len(rows) == 1:
             return [self._decode_window(rows[0])[0]]
         hop = self.vae.hop_size
@@ -173,7 +208,11 @@ class AuKVAEDecodeGraph:
                 return list(self.vae(torch.cat(list(rows))))
             bucket = self.compiled_bucket(max(row.shape[1] for row in rows))
             size = min(b for b in self.batch_sizes if b >= len(rows))
-            entry = self._batched.get((bucket, size)) or self._capture_rows(bucket, size)
+            entry = self._batched.get((bucket, size))
+            if entry is None and PendingGraph(bucket, size) in self._pending:  # not built yet: never here
+                self.pending_fallbacks += len(rows)
+                return [self._decode_window(row, count_fallback=False)[0].clone() for row in rows]
+            entry = entry or self._capture_rows(bucket, size)
             if entry is None:  # the batched graph cannot be captured: one window at a time
                 return [self._decode_window(row)[0].clone() for row in rows]
             for index, row in enumerate(rows):
@@ -182,37 +221,106 @@ class AuKVAEDecodeGraph:
             self.last_mode = "batched"
             return [entry.static_out[index, : row.shape[1] * hop] for index, row in enumerate(rows)]
 
-    def warmup(self, device, on_bucket: Callable[[int, float, bool], None] | None = None) -> None:
+    def warmup(self, device, on_bucket: Callable[[int, float, bool], None] | None = None,
+               defer: bool = False) -> list[PendingGraph]:
         """Compile the decode and capture every bucket in `compile_shapes`, and a batched graph
-        for each of its batch sizes.
+        for each of its batch sizes. With `defer`, only the first tile's bucket and the largest
+        (which holds any window), and return the rest for `start_deferred`.
 
-        Meant for service start: each bucket costs one Inductor compilation. A
-        failure logs a warning and leaves that bucket to plain graphs.
-        `on_bucket(frames, seconds, ok)` is told about each bucket as it finishes.
+        Meant for service start. A bucket that fails logs a warning and leaves its windows to
+        plain graphs. `on_bucket(frames, seconds, ok)` is told about each bucket as it finishes.
         """
         device = torch.device(device)
         if device.type != "cuda" or not self.enabled or not torch.cuda.is_available():
-            return
+            return []
+        now = self.ready_buckets() if defer else set(self.compile_shapes)
+        pending = []
         with torch.cuda.device(device), torch.no_grad():
             if self._compiled_decode is None:
-                self._compiled_decode = torch.compile(self.vae.forward, dynamic=False)
+                self._compiled_decode = torch.compile(self.vae.forward, dynamic=None if self.compile_dynamic else False)
+            if self._batched_pool is None:
+                self._batched_pool = torch.cuda.graph_pool_handle()
             for frames in self.compile_shapes:
                 if frames in self._buckets:
                     continue
+                if frames not in now:
+                    pending.append(PendingGraph(frames, 1))
+                    pending.extend(PendingGraph(frames, rows) for rows in self._batched_rows(frames))
+                    continue
                 began = time.perf_counter()
                 try:
-                    self._buckets[frames] = self._capture(frames, self._compiled_decode, pool=None)
+                    self._buckets[frames] = self._build(PendingGraph(frames, 1))
                     ok = True
                 except Exception as err:  # a bucket that cannot compile falls back to plain graphs
                     logger.warning("compiled bucket of %d frames failed, plain graphs serve it: %s", frames, err)
                     ok = False
-                for rows in self.batch_sizes[1:]:
-                    if ok and rows <= self.batch_capacity(frames):
+                for rows in self._batched_rows(frames) if ok else ():
+                    if defer:
+                        pending.append(PendingGraph(frames, rows))
+                    else:
                         self._capture_rows(frames, rows)
                 seconds = time.perf_counter() - began
                 logger.info("bucket %d frames: %s in %.1f s", frames, "ready" if ok else "failed", seconds)
                 if on_bucket is not None:
                     on_bucket(frames, seconds, ok)
+        self._pending = set(pending)  # from now on their windows take another tier, never a capture
+        return sorted(pending, key=lambda item: (item.rows > 1, item.frames, item.rows))
+
+    def ready_buckets(self) -> set[int]:
+        """The buckets a deferred warm-up builds before the service is ready: the first tile's
+        (every stream's first audio) and the largest (any window fits it)."""
+        if not self.compile_shapes:
+            return set()
+        first = self.first_tile_frames or self.compile_shapes[0]
+        return {min((b for b in self.compile_shapes if b >= first), default=self.compile_shapes[-1]),
+                self.compile_shapes[-1]}
+
+    def start_deferred(self, pending: Sequence[PendingGraph], device,
+                       on_done: Callable[[float, int, int], None] | None = None) -> None:
+        """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
+        serving thread, which takes each graph over at its next decode. `on_done(seconds,
+        built, failed)` is called on the builder's thread once all are built."""
+        if not pending:
+            return
+        self._pending.update(pending)
+
+        def build_all():
+            began, failed = time.perf_counter(), 0
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, BUILD_SWITCH_INTERVAL_S))
+            try:
+                torch.cuda.set_device(device)
+                # A stream of its own: the capture's warm-up runs (and cuDNN's timing) order
+                # nothing of the serving thread's behind them.
+                with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+                    for item in pending:
+                        if self._stop_building.is_set():
+                            return
+                        try:
+                            entry = self._build(item, beside_serving=True)
+                        except Exception as err:  # out of memory, say: the tier it stands in for stays
+                            logger.warning("deferred graph of %d rows of %d frames failed: %s",
+                                           item.rows, item.frames, err)
+                            entry, failed = None, failed + 1
+                        self._built.put((item, entry))
+            finally:
+                sys.setswitchinterval(switch)
+            if on_done is not None:
+                on_done(time.perf_counter() - began, len(pending) - failed, failed)
+
+        self._builder = threading.Thread(target=build_all, name="auk-decode-graph-builder", daemon=True)
+        self._builder.start()
+
+    def stop_deferred(self, timeout_s: float = 30.0) -> None:
+        """Stop building deferred graphs after the one in progress, and wait for that."""
+        self._stop_building.set()
+        if self._builder is not None:
+            self._builder.join(timeout_s)
+
+    @property
+    def deferred_pending(self) -> int:
+        """Deferred graphs not yet taken over by the serving thread."""
+        return len(self._pending)
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode one clip [1, frames, latent_dim] -> [1, frames * hop_size]."""
@@ -311,14 +419,18 @@ class AuKVAEDecodeGraph:
             and not torch.cuda.is_current_stream_capturing()
         )
 
-    def _decode_window(self, window: torch.Tensor) -> torch.Tensor:
+    def _decode_window(self, window: torch.Tensor, count_fallback: bool = True) -> torch.Tensor:
         with torch.no_grad():
             if not self._replayable(window):
                 self.last_mode = "eager"
                 return self.vae(window)
+            self._take_built()
             frames = window.shape[1]
             bucket = self.compiled_bucket(frames)
             if bucket is not None:
+                if count_fallback and self._pending and any(
+                        PendingGraph(b, 1) in self._pending for b in self.compile_shapes if frames <= b < bucket):
+                    self.pending_fallbacks += 1  # its own bucket is still being built
                 entry, self.last_mode = self._buckets[bucket], "compiled"
             else:
                 aligned = -(-frames // self.frame_alignment) * self.frame_alignment
@@ -373,15 +485,42 @@ class AuKVAEDecodeGraph:
             if self._batched_pool is None:
                 self._batched_pool = torch.cuda.graph_pool_handle()
             try:
-                self._batched[key] = self._capture(frames, self.vae.forward, pool=self._batched_pool, rows=rows)
+                self._batched[key] = self._build(PendingGraph(frames, rows))
             except Exception as err:  # out of memory, say
                 logger.warning("capturing %d rows of %d frames failed, they decode one at a time: %s",
                                rows, frames, err)
                 self._uncapturable_rows.add(key)
         return self._batched.get(key)
 
-    def _capture(self, frames: int, decode: Callable, pool, rows: int = 1) -> _Graph:
+    def _build(self, item: PendingGraph, beside_serving: bool = False) -> _Graph:
+        """A compiled bucket (one row) or a bucket's batched plain graph; raises where it fails."""
+        if item.rows == 1:
+            return self._capture(item.frames, self._compiled_decode, pool=None, beside_serving=beside_serving)
+        return self._capture(item.frames, self.vae.forward, pool=self._batched_pool, rows=item.rows,
+                             beside_serving=beside_serving)
+
+    def _take_built(self) -> None:
+        """Take over the deferred graphs built since the last decode (on the serving thread,
+        the only one that reads or changes the graph tables)."""
+        while not self._built.empty():
+            item, entry = self._built.get_nowait()
+            self._pending.discard(item)
+            if entry is None:
+                if item.rows > 1:
+                    self._uncapturable_rows.add((item.frames, item.rows))
+            elif item.rows == 1:
+                self._buckets[item.frames] = entry
+            else:
+                self._batched[(item.frames, item.rows)] = entry
+
+    def _batched_rows(self, frames: int) -> list[int]:
+        """The batched graphs' row counts for a bucket."""
+        return [rows for rows in self.batch_sizes[1:] if rows <= self.batch_capacity(frames)]
+
+    def _capture(self, frames: int, decode: Callable, pool, rows: int = 1, beside_serving: bool = False) -> _Graph:
         device = self.vae.global_mean.device
         static_in = self._zero_latent.to(device).expand(rows, frames, -1).contiguous()
-        graph, static_out = capture(lambda: decode(static_in), pool=pool)
+        if decode is self._compiled_decode and self.compile_dynamic:
+            torch._dynamo.mark_dynamic(static_in, 1)  # one trace for every bucket's length
+        graph, static_out = capture(lambda: decode(static_in), pool=pool, beside_serving=beside_serving)
         return _Graph(graph, static_in, static_out)

@@ -154,6 +154,10 @@ class DecodeSettings:
     max_graphs: int = 32
     frame_alignment: int = 1
     enable_cuda_graphs: bool = True
+    # One symbolic trace of the decode for every bucket, not one per bucket; and only the
+    # first tile's and the largest bucket built before READY, the rest after it.
+    compile_dynamic: bool = True
+    defer_graphs: bool = True
     fused_activation: bool = True
     channels_last: bool = True
     precision: str | None = None  # None: GPU_DECODE_PRECISION on a GPU, fp32 on a CPU
@@ -190,6 +194,8 @@ class DecodeSettings:
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 1),
             frame_alignment=int_parameter(params, "frame_alignment", default.frame_alignment, 1),
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),
+            compile_dynamic=bool_parameter(params, "compile_dynamic", default.compile_dynamic),
+            defer_graphs=bool_parameter(params, "defer_graphs", default.defer_graphs),
             fused_activation=bool_parameter(params, "fused_activation", default.fused_activation),
             channels_last=bool_parameter(params, "channels_last", default.channels_last),
             precision=choice_parameter(params, "precision", default.precision, DECODE_PRECISIONS),

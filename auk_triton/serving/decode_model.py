@@ -158,6 +158,7 @@ class TritonPythonModel:
             first_tile_frames=settings.first_window_frames(),
             batch_sizes=settings.batch_sizes,
             batch_frames=settings.batch_frames,
+            compile_dynamic=settings.compile_dynamic,
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -172,15 +173,25 @@ class TritonPythonModel:
             max_active=settings.max_active_requests, max_queued=settings.max_queued_requests,
             on_iteration=self._on_iteration,
         )
-        # The scheduler's thread builds the graphs it replays (capture and replay on one thread).
-        self.scheduler.start(warmup=lambda: self.graph.warmup(self.device, on_bucket=on_bucket))
+        # The scheduler's thread builds the graphs it replays before READY; the deferred ones
+        # are built beside it after READY, and it takes each over at its next decode.
+        deferred = []
+        self.scheduler.start(warmup=lambda: deferred.extend(
+            self.graph.warmup(self.device, on_bucket=on_bucket, defer=settings.defer_graphs)))
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         freeze_heap()
         log(
             "info",
             f"{self.name}: ready (one response per tile; "
-            f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s)",
+            f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s"
+            f"{f'; {len(deferred)} graphs to build after READY' if deferred else ''})",
         )
+        self.graph.start_deferred(deferred, self.device, on_done=self._deferred_built)
+
+    def _deferred_built(self, seconds: float, built: int, failed: int) -> None:
+        log("warn" if failed else "info",
+            f"{self.name}: {built} deferred graphs built in {seconds:.1f} s after READY"
+            f"{f', {failed} FAILED (their windows stay on another tier)' if failed else ''}")
 
     def _decoder_options(self) -> dict:
         """`AuKVAE.configure_decoder`'s options for this device: on a GPU the precision, the fused
@@ -288,6 +299,8 @@ class TritonPythonModel:
                                       report.queued)
 
     def finalize(self):
+        if getattr(self, "graph", None) is not None:
+            self.graph.stop_deferred()
         if getattr(self, "scheduler", None) is not None:
             self.scheduler.close()
         if getattr(self, "metrics", None) is not None:

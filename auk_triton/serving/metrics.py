@@ -21,6 +21,7 @@ class GraphCounts(Protocol):
 
     captures: int
     generations_retired: int
+    pending_fallbacks: int
 
 
 class DecodeMetrics:
@@ -41,12 +42,12 @@ class DecodeMetrics:
 
     def __init__(self, labels: dict[str, str]):
         self._families = []
-        self._tiles = self._audio = self._captures = self._retired = self._send = None
+        self._tiles = self._audio = self._captures = self._retired = self._send = self._pending_windows = None
         self._active = self._queued = self._windows = self._first_audio = self._underruns = None
         self._seconds: dict[str, object] = {}
         self._lock = threading.Lock()
         self._pending = self._nothing_pending()
-        self._seen_captures = self._seen_retired = 0
+        self._seen_captures = self._seen_retired = self._seen_pending = 0
         self._wake = threading.Event()
         self._closing = False
         self._reporter = None
@@ -81,6 +82,10 @@ class DecodeMetrics:
             self._retired = counter(
                 "auk_vae_graph_generations_retired_total", "Generations of plain CUDA graphs retired"
             ).Metric(labels=labels)
+            self._pending_windows = counter(
+                "auk_vae_pending_graph_windows_total",
+                "Windows decoded by another tier because their graph was still being built after READY",
+            ).Metric(labels=labels)
             self._underruns = counter(
                 "auk_vae_underruns_total", "Tiles sent after the audio already sent to their stream ran out"
             ).Metric(labels=labels)
@@ -102,6 +107,7 @@ class DecodeMetrics:
             log("warn", f"custom metrics are unavailable ({err}); the model exports none")
             self._families, self._seconds = [], {}
             self._tiles = self._audio = self._captures = self._retired = self._send = None
+            self._pending_windows = None
             self._active = self._queued = self._windows = self._first_audio = self._underruns = None
             return
         self._reporter = threading.Thread(target=self._report_until_closed, name="auk-metrics", daemon=True)
@@ -114,7 +120,7 @@ class DecodeMetrics:
 
     @staticmethod
     def _nothing_pending() -> dict:
-        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0, "underruns": 0,
+        return {"tiles": 0, "audio": 0.0, "send": 0.0, "captures": 0, "retired": 0, "pending_windows": 0, "underruns": 0,
                 "seconds": dict.fromkeys(TIERS, 0.0), "windows": [], "first_audio": [], "active": None,
                 "queued": None}
 
@@ -146,7 +152,9 @@ class DecodeMetrics:
             pending["send"] += send_seconds
             pending["captures"] += graph.captures - self._seen_captures
             pending["retired"] += graph.generations_retired - self._seen_retired
+            pending["pending_windows"] += graph.pending_fallbacks - self._seen_pending
             self._seen_captures, self._seen_retired = graph.captures, graph.generations_retired
+            self._seen_pending = graph.pending_fallbacks
         self._wake.set()
 
     def _report_until_closed(self) -> None:
@@ -172,6 +180,7 @@ class DecodeMetrics:
             (self._send, pending["send"]),
             (self._captures, pending["captures"]),
             (self._retired, pending["retired"]),
+            (self._pending_windows, pending["pending_windows"]),
         ] + [(self._seconds[tier], seconds) for tier, seconds in pending["seconds"].items()]
         increments.append((self._underruns, pending["underruns"]))
         try:

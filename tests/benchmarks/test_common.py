@@ -14,8 +14,8 @@ W1202 23:59:58.500000 674 pinned_memory_manager.cc:273] "Unable to allocate pinn
 I1202 23:59:59.000000 674 model_lifecycle.cc:472] "loading: auk_vae_decode:1"
 +------------------+------+
 I1203 00:00:04.700000 674 python_be.cc:2249] "TRITONBACKEND_ModelInstanceInitialize: auk_vae_decode_0_0 (GPU device 0)"
-I1203 00:00:06.600000 674 triton_io.py:28] "auk_vae_decode: loaded /tmp/ck on cuda:0 in 1.9 s"
-I1203 00:01:30.000000 674 triton_io.py:28] "auk_vae_decode: bucket of 32 frames compiled and captured in 75.2 s"
+I1203 00:00:06.600000 674 triton_common.py:37] "auk_vae_decode: loaded /tmp/ck on cuda:0 in 1.9 s"
+I1203 00:01:30.000000 674 triton_common.py:37] "auk_vae_decode: bucket of 32 frames compiled and captured in 75.2 s"
 I1203 00:01:30.100000 674 grpc_server.cc:2558] "Started GRPCInferenceService at 127.0.0.1:8001"
 """
 

@@ -170,6 +170,22 @@ def test_on_the_cpu_every_call_is_the_eager_decode(small):
     assert graph.captures == 0
 
 
+def test_a_deferred_warm_up_builds_the_first_tile_s_bucket_and_the_largest_before_ready(small):
+    graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 128, 256, 512))
+    assert graph.ready_buckets() == {32, 512}
+    graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 128, 256, 512), first_tile_frames=100)
+    assert graph.ready_buckets() == {128, 512}, "the first tile's own bucket, not the smallest"
+    assert AuKVAEDecodeGraph(small, compile_shapes=()).ready_buckets() == set()
+
+
+def test_on_the_cpu_a_deferred_warm_up_leaves_nothing_to_build(small):
+    graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 512), batch_sizes=(1, 2, 4))
+    assert graph.warmup("cpu", defer=True) == []
+    graph.start_deferred([], "cpu")
+    graph.stop_deferred()
+    assert graph.deferred_pending == 0 and graph.pending_fallbacks == 0
+
+
 def test_tiling_off_decodes_in_one_window(small):
     latents = torch.randn(1, 600, 64, generator=torch.Generator().manual_seed(6))
     tiles = list(AuKVAEDecodeGraph(small, tile_frames=0).decode_tiles(latents))

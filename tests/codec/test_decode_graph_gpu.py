@@ -1,9 +1,12 @@
 """The graph tiers on a CUDA GPU: exactness, tolerance, retirement and memory. Skipped without CUDA."""
 
+import threading
+import time
+
 import pytest
 import torch
 
-from auk_triton.codec.decode_graph import AuKVAEDecodeGraph
+from auk_triton.codec.decode_graph import AuKVAEDecodeGraph, PendingGraph
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.codec.vae import AuKVAE
 
@@ -169,3 +172,40 @@ def test_rows_of_a_batch_do_not_change_each_other(batched):
         first = batched.decode_rows(base)[0].clone()
         again = batched.decode_rows(changed)[0].clone()
     torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+def test_graphs_built_after_ready_leave_requests_served_by_another_tier_meanwhile_and_never_captured(vae):
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128, 512), batch_sizes=(1, 2), batch_frames=512)
+    pending = graph.warmup("cuda", defer=True)
+    assert set(pending) == {PendingGraph(128, 1), PendingGraph(32, 2), PendingGraph(128, 2)}
+    assert graph.compiled_bucket(100) == 512, "the 128-frame bucket comes after READY"
+    clip, pair = latents(100, 3), [latents(32, 4), latents(30, 5)]
+    right = vae.decode_context_frames()[1] * vae.hop_size
+    settled = slice(0, 100 * vae.hop_size - right)
+    with torch.no_grad():
+        expected = vae.decode(clip)[0]
+        expected_pair = [vae.decode(row)[0] for row in pair]
+
+        def check():
+            wave = graph.decode_rows([clip])[0]
+            assert rel_l2(wave[settled], expected[settled]) < COMPILED_TOLERANCE
+            for row, want in zip(graph.decode_rows(pair), expected_pair):
+                cut = slice(0, want.numel() - right)
+                assert rel_l2(row[cut], want[cut]) < COMPILED_TOLERANCE
+
+        check()
+        assert graph.last_mode == "compiled", "rows one at a time while their batched graph is pending"
+        assert graph.pending_fallbacks == 1 + 2
+        done = threading.Event()
+        graph.start_deferred(pending, "cuda", on_done=lambda seconds, built, failed: done.set())
+        served, deadline = 0, time.monotonic() + 600
+        while not done.is_set() and time.monotonic() < deadline:  # beside the builder: what is built so far
+            check()
+            served += 1
+        graph.stop_deferred()
+        assert done.is_set(), "the deferred graphs were not built within 10 minutes"
+        check()
+    assert graph.deferred_pending == 0 and graph.compiled_bucket(100) == 128
+    assert graph.last_mode == "batched"
+    assert graph.captures == 0, "no plain graph captured at request time"
+    assert served > 0

@@ -67,7 +67,7 @@ def total(name: str) -> float:
 
 
 def test_close_during_the_report_delay_returns_and_reports_everything_once(metrics_class):
-    graph = types.SimpleNamespace(captures=0, generations_retired=0)
+    graph = types.SimpleNamespace(captures=0, generations_retired=0, pending_fallbacks=0)
     for _ in range(20):  # close at every point of the reporter's cycle
         metrics = metrics_class({"model": "m", "version": "1"})
         metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)
@@ -78,6 +78,17 @@ def test_close_during_the_report_delay_returns_and_reports_everything_once(metri
         assert not closer.is_alive(), "close() hung: the reporter thread never saw it"
     assert total("auk_vae_tiles_sent_total") == 20
     assert total("auk_vae_audio_seconds_total") == pytest.approx(40.0)
+
+
+def test_windows_served_while_their_graph_was_built_after_ready_are_counted_once(metrics_class):
+    graph = types.SimpleNamespace(captures=0, generations_retired=0, pending_fallbacks=3)
+    metrics = metrics_class({"model": "m", "version": "1"})
+    metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)
+    metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)  # nothing new since
+    graph.pending_fallbacks = 5
+    metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)
+    metrics.close()
+    assert total("auk_vae_pending_graph_windows_total") == 5
 
 
 def test_a_scheduler_iteration_reports_its_windows_first_audio_active_and_queued_requests_and_underruns(
@@ -113,7 +124,8 @@ def test_close_returns_within_its_bound_when_a_report_hangs(metrics_class, monke
     monkeypatch.setattr(backend, "MetricFamily", HangingFamily)
     monkeypatch.setattr(metrics_class, "CLOSE_TIMEOUT_S", 0.3)
     metrics = metrics_class({"model": "m", "version": "1"})
-    metrics.record([("compiled", 0.01, 2.0)], 0.001, types.SimpleNamespace(captures=0, generations_retired=0))
+    graph = types.SimpleNamespace(captures=0, generations_retired=0, pending_fallbacks=0)
+    metrics.record([("compiled", 0.01, 2.0)], 0.001, graph)
     assert hung.wait(5), "the reporter never reported"
     began = time.monotonic()
     metrics.close()
