@@ -53,6 +53,8 @@ rows of the same length there, so no padding changes them).
 Not thread-safe: the graphs' input and output buffers, `last_mode` and the
 graph cache are shared by all calls, so one caller at a time (the Triton
 Python backend runs a model instance's `execute` calls one after another).
+The deferred builder is the one other thread: it reads no table and changes
+none, and hands each graph over through a queue that the caller's decodes drain.
 """
 
 import logging
@@ -279,17 +281,19 @@ class AuKVAEDecodeGraph:
                        on_done: Callable[[float, int, int], None] | None = None) -> None:
         """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
         serving thread, which takes each graph over at its next decode. `on_done(seconds,
-        built, failed)` is called on the builder's thread once all are built."""
+        built, failed)` is called on the builder's thread at the end (not when stopped)."""
         if not pending:
             return
         self._pending.update(pending)
+        device = torch.device(device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
 
         def build_all():
-            began, failed = time.perf_counter(), 0
+            began, built = time.perf_counter(), 0
             switch = sys.getswitchinterval()
             sys.setswitchinterval(min(switch, BUILD_SWITCH_INTERVAL_S))
             try:
-                torch.cuda.set_device(device)
+                torch.cuda.set_device(index)
                 # A stream of its own: the capture's warm-up runs (and cuDNN's timing) order
                 # nothing of the serving thread's behind them.
                 with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
@@ -301,12 +305,15 @@ class AuKVAEDecodeGraph:
                         except Exception as err:  # out of memory, say: the tier it stands in for stays
                             logger.warning("deferred graph of %d rows of %d frames failed: %s",
                                            item.rows, item.frames, err)
-                            entry, failed = None, failed + 1
+                            entry = None
+                        built += entry is not None
                         self._built.put((item, entry))
+            except Exception as err:  # the rest stay pending: their windows keep another tier
+                logger.error("building the deferred graphs stopped: %s: %s", type(err).__name__, err)
             finally:
                 sys.setswitchinterval(switch)
-            if on_done is not None:
-                on_done(time.perf_counter() - began, len(pending) - failed, failed)
+            if on_done is not None and not self._stop_building.is_set():
+                on_done(time.perf_counter() - began, built, len(pending) - built)
 
         self._builder = threading.Thread(target=build_all, name="auk-decode-graph-builder", daemon=True)
         self._builder.start()
