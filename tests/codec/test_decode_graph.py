@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from auk_triton.codec.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph, plan_tiles
+from auk_triton.codec.decode_graph import DEFAULT_COMPILE_SHAPES, AuKVAEDecodeGraph, PendingGraph, _Graph, plan_tiles
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.codec.vae import AuKVAE
 
@@ -184,6 +184,41 @@ def test_on_the_cpu_a_deferred_warm_up_leaves_nothing_to_build(small):
     graph.start_deferred([], "cpu")
     graph.stop_deferred()
     assert graph.deferred_pending == 0 and graph.pending_fallbacks == 0
+
+
+def test_a_graph_still_being_built_leaves_its_windows_to_another_tier_and_is_taken_over_once_built(
+    small, monkeypatch
+):
+    """The policy, with stand-in graphs that only record their replays (the real ones need a GPU)."""
+    graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 128, 512), batch_sizes=(1, 2), batch_frames=512)
+    replayed = []
+
+    def stand_in(frames, rows=1):
+        replay = type("Replay", (), {"replay": lambda self: replayed.append(f"{frames}x{rows}")})()
+        return _Graph(replay, torch.zeros(rows, frames, 64), torch.zeros(rows, frames * small.hop_size))
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("a graph captured at request time")
+
+    monkeypatch.setattr(graph, "_replayable", lambda window: True)  # as on a GPU
+    monkeypatch.setattr(graph, "_capture", no_capture)
+    graph._buckets = {32: stand_in(32), 512: stand_in(512)}  # what a deferred warm-up builds
+    graph._pending = {PendingGraph(128, 1), PendingGraph(32, 2), PendingGraph(128, 2)}
+    window, pair = torch.zeros(1, 100, 64), [torch.zeros(1, 32, 64), torch.zeros(1, 30, 64)]
+
+    assert graph.decode_rows([window])[0].shape == (100 * small.hop_size,)
+    assert replayed == ["512x1"], "the next larger bucket built"
+    graph.decode_rows(pair)
+    assert replayed[1:] == ["32x1", "32x1"] and graph.last_mode == "compiled", "one window at a time"
+    assert graph.pending_fallbacks == 3
+
+    for item in graph._pending:  # the builder hands them over
+        graph._built.put((item, stand_in(item.frames, item.rows)))
+    replayed.clear()
+    graph.decode_rows([window])
+    graph.decode_rows(pair)
+    assert replayed == ["128x1", "32x2"] and graph.last_mode == "batched"
+    assert graph.pending_fallbacks == 3 and graph.deferred_pending == 0
 
 
 def test_tiling_off_decodes_in_one_window(small):
