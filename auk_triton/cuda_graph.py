@@ -1,10 +1,22 @@
-"""Capturing a CUDA graph, shared by the codec's and the diffusion model's graph wrappers."""
+"""Capturing CUDA graphs, shared by the codec's and the diffusion model's graph wrappers: one
+capture at a time, and a builder thread for the graphs a model builds after it is ready."""
 
-from typing import Callable, TypeVar
+import logging
+import queue
+import sys
+import threading
+import time
+from typing import Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 Output = TypeVar("Output")
+
+# The interpreter's switch interval while graphs build beside the serving thread: it
+# bounds how long that thread waits for the GIL (the default is 5 ms).
+BUILD_SWITCH_INTERVAL_S = 0.0005
 
 
 def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
@@ -19,7 +31,10 @@ def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
     `beside_serving`: another thread keeps launching work meanwhile (a graph built after
     the model is ready). The capture then runs on a stream of its own, not torch's one
     shared capture stream, and in CUDA's thread-local mode, which forbids unsafe calls
-    (an allocation, a synchronisation) on this thread only, not on the serving one.
+    (an allocation, a synchronisation) on this thread only, not on the serving one. It
+    also skips what `torch.cuda.graph` does first for a lone capture: a device-wide
+    synchronisation and emptying the device's and pinned host memory's caches, which the
+    serving thread would wait for and then refill.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -28,7 +43,94 @@ def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    own = dict(stream=torch.cuda.Stream(), capture_error_mode="thread_local") if beside_serving else {}
-    with torch.cuda.graph(graph, pool=pool, **own):
-        output = run()
+    if not beside_serving:
+        with torch.cuda.graph(graph, pool=pool):
+            output = run()
+        return graph, output
+    own = torch.cuda.Stream()
+    own.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(own):
+        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+        try:
+            output = run()
+        finally:
+            graph.capture_end()
     return graph, output
+
+
+Item = TypeVar("Item", bound=Hashable)
+
+
+class GraphBuilder:
+    """Builds graphs on a thread of its own after the service is ready, beside the thread
+    that serves requests; that thread takes each result over (`take`) when it next looks,
+    so no table it reads ever changes under it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._built: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, items: Sequence[Item], build: Callable[[Item], object], device,
+              describe: Callable[[Item], str] = str,
+              on_done: Callable[[float, int, int], None] | None = None) -> None:
+        """Build each item in order, with `build(item)` on a stream of `device`'s own (under
+        no_grad: a build that serves under inference mode enters it), each result (None where
+        it failed, logged) queued for `take`. `on_done(seconds, built, failed)` is
+        called on the builder's thread at the end (not when stopped)."""
+        if not items:
+            return
+        device = torch.device(device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
+
+        def build_all():
+            began, built = time.perf_counter(), 0
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, BUILD_SWITCH_INTERVAL_S))
+            try:
+                torch.cuda.set_device(index)
+                # A stream of its own: the captures' warm-up runs (and cuDNN's timing) order
+                # nothing of the serving thread's behind them.
+                with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+                    for item in items:
+                        if self._stop.is_set():
+                            return
+                        try:
+                            result = build(item)
+                        except Exception as err:  # out of memory, say: the tier it stands in for stays
+                            logger.warning("%s: building %s failed: %s: %s", self.name, describe(item),
+                                           type(err).__name__, err)
+                            result = None
+                        built += result is not None
+                        self._built.put((item, result))
+            except Exception as err:  # the rest stay pending: their work keeps another tier
+                logger.error("%s stopped: %s: %s", self.name, type(err).__name__, err)
+            finally:
+                sys.setswitchinterval(switch)
+            if on_done is not None and not self._stop.is_set():
+                on_done(time.perf_counter() - began, built, len(items) - built)
+
+        self._thread = threading.Thread(target=build_all, name=self.name, daemon=True)
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` was called: a long build may end early (its result is not used)."""
+        return self._stop.is_set()
+
+    def take(self) -> Iterator[tuple[Item, object]]:
+        """(item, result or None) for each item built since the last call: call it on the
+        serving thread only."""
+        while not self._built.empty():
+            yield self._built.get_nowait()
+
+    def hand_over(self, item: Item, result: object) -> None:
+        """Queue a result as the builder does (a test's stand-in builder)."""
+        self._built.put((item, result))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the item in progress, and wait for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

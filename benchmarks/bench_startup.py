@@ -10,9 +10,10 @@ machine given the artifacts: a new `--cache-dir` with an existing `--artifacts-d
 After each start the models' start-up lines from the server log (Triton loading each,
 the Python backend starting its instance, the models' own lines) are printed with their
 offsets. Weights are a seeded synthetic checkpoint written beforehand (not real audio).
-`--serve-seconds` keeps each start serving that long after READY, one client decoding a
-10 s clip after another through the front door, and reports their first audio by time
-since READY: what a request meets while the deferred graphs are still being built.
+`--serve-seconds` keeps each start serving that long after READY, one client asking for
+10 s of audio after another through the front door (from `auk_pipeline` when it is among
+the models, else decoding a clip), and reports their first audio by time since READY:
+what a request meets while the deferred graphs are still being built.
 
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py --models auk_vae_decode auk_vae_decode_offline
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_startup.py \
@@ -34,15 +35,18 @@ from common import MODEL, free_port, heading, percentile, say, startup_lines, sy
 READY_TIMEOUT_S = 900.0
 
 
-def serve_after_ready(grpc_port: int, seconds: float) -> list[tuple[float, float]]:
-    """One client decoding 10 s clips back to back for `seconds`: (s since READY, first audio ms) each."""
+def serve_after_ready(grpc_port: int, seconds: float, pipeline: bool) -> list[tuple[float, float]]:
+    """One client asking for 10 s of audio back to back for `seconds` (a pipeline request of 64
+    prompt tokens, or a clip to decode): (s since READY, first audio ms) each."""
+    from auk_client.pipeline import random_prompt_embeds, stream_pipeline
     from auk_client.stream import random_latents, stream_decode
 
-    clip = random_latents(10.0, seed=1)
+    url = f"127.0.0.1:{grpc_port}"
+    clip, embeds = random_latents(10.0, seed=1), random_prompt_embeds(64, seed=1)
     ready, served = time.perf_counter(), []
     while time.perf_counter() - ready < seconds:
         began = time.perf_counter()
-        tiles = stream_decode(clip, url=f"127.0.0.1:{grpc_port}")
+        tiles = stream_pipeline(embeds, 10.0, seed=1, url=url) if pipeline else stream_decode(clip, url=url)
         next(tiles)
         first = time.perf_counter() - began
         for _ in tiles:
@@ -60,7 +64,7 @@ def report_served(served: list[tuple[float, float]], window_s: float = 10.0) -> 
                 f"p50 {percentile(firsts, 50):.1f} ms, slowest {max(firsts):.1f} ms")
 
 
-def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0) -> float:
+def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0, pipeline: bool = False) -> float:
     """Launch, wait for READY, serve for `serve_seconds`, stop; the seconds from the command to READY."""
     ports = {name: free_port() for name in ("HTTP", "GRPC", "METRICS", "INTERNAL_HTTP", "INTERNAL_GRPC")}
     env = dict(env, AUK_ADDRESS="127.0.0.1", **{f"AUK_{name}_PORT": str(port) for name, port in ports.items()})
@@ -77,7 +81,7 @@ def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0) -> float:
                 time.sleep(0.2)
             ready = time.perf_counter() - began
             if serve_seconds > 0:
-                report_served(serve_after_ready(ports["GRPC"], serve_seconds))
+                report_served(serve_after_ready(ports["GRPC"], serve_seconds, pipeline))
             return ready
         finally:
             process.send_signal(signal.SIGINT)
@@ -95,8 +99,8 @@ def main() -> None:
     parser.add_argument("--artifacts-dir", type=Path, default=None,
                         help="AUK_ARTIFACTS_DIR (default: artifacts in the cache folder)")
     parser.add_argument("--serve-seconds", type=float, default=0.0,
-                        help="after READY, decode 10 s clips one after another for this long and report their "
-                             "first audio (default 0: stop at READY)")
+                        help="after READY, ask for 10 s of audio (the pipeline's, else a decode) one request "
+                             "after another for this long and report their first audio (default 0: stop at READY)")
     args = parser.parse_args()
 
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="auk-startup-"))
@@ -113,7 +117,7 @@ def main() -> None:
     for start in range(args.starts):
         state = "none yet" if cold and start == 0 else "present"
         log_path = cache / f"launcher-{start + 1}.log"
-        seconds = one_start(env, log_path, args.serve_seconds)
+        seconds = one_start(env, log_path, args.serve_seconds, pipeline="auk_pipeline" in args.models)
         say(f"start {start + 1} (artifacts {state}): READY after {seconds:.1f} s; its start-up, from the log:")
         for line in startup_lines(log_path):
             say(f"  {line}")

@@ -13,7 +13,8 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    Fused kernels round in another order, so these graphs are close to, not
    bit-identical with, eager. With `compile_dynamic` (the default) the time axis
    is traced symbolically: Dynamo traces the decode once for every bucket, not
-   once per bucket.
+   once per bucket; with `precompiled` too, that trace is saved and later starts
+   load it instead of tracing (precompiled.py).
 2. Tiling: a clip longer than `tile_frames` is decoded in windows that overlap
    by the decoder's receptive field (`AuKVAE.decode_context_frames()`); each
    window contributes only frames whose whole context lies inside it, so the
@@ -58,15 +59,14 @@ none, and hands each graph over through a queue that the caller's decodes drain.
 """
 
 import logging
-import queue
-import sys
-import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..cuda_graph import capture
+from ..cuda_graph import GraphBuilder, capture
+from .precompiled import precompiled_decode
 from .tiling import plan_tiles
 from .vae import AuKVAE
 
@@ -93,11 +93,6 @@ class PendingGraph(NamedTuple):
     rows: int  # 1: the compiled bucket itself; more: that bucket's batched plain graph
 
 
-# The interpreter's switch interval while deferred graphs build beside the serving thread:
-# it bounds how long that thread waits for the GIL (the default is 5 ms).
-BUILD_SWITCH_INTERVAL_S = 0.0005
-
-
 class _Graph(NamedTuple):
     """One captured decode: its graph, static input and static output."""
 
@@ -122,9 +117,13 @@ class AuKVAEDecodeGraph:
         batch_sizes: Sequence[int] = (1,),
         batch_frames: int | None = None,
         compile_dynamic: bool = True,
+        precompiled: Path | None = None,
     ):
         self.vae = vae
         self.compile_dynamic = bool(compile_dynamic)
+        # Where the traced decode is kept across restarts (precompiled.py); None: traced each start.
+        self.precompiled = None if precompiled is None else Path(precompiled)
+        self.compile_note = ""  # how the compiled decode came: loaded, traced and saved, or traced
         self.enabled = bool(enabled)
         self.frame_alignment = max(1, int(frame_alignment))
         self.max_graphs = max(1, int(max_graphs))
@@ -159,13 +158,12 @@ class AuKVAEDecodeGraph:
         self._batched_pool = None  # one pool: replays run one at a time, outputs copied out first
         self._uncapturable_rows: set[tuple[int, int]] = set()
         self._compiled_decode: Callable | None = None
+        self._mark_dynamic = False  # torch.compile's decode: mark each bucket's time axis dynamic
         self._zero_latent = vae.zero_latent()
         # Deferred graphs: what is left to build, what is built and not yet handed over,
         # the builder's thread, and the windows served meanwhile by another tier.
         self._pending: set[PendingGraph] = set()
-        self._built: queue.SimpleQueue = queue.SimpleQueue()
-        self._builder: threading.Thread | None = None
-        self._stop_building = threading.Event()
+        self._builder = GraphBuilder("auk-decode-graph-builder")
         self.pending_fallbacks = 0
 
     # ---- public API ----------------------------------------------------------------------
@@ -239,7 +237,7 @@ class AuKVAEDecodeGraph:
         pending = []
         with torch.cuda.device(device), torch.no_grad():
             if self._compiled_decode is None:
-                self._compiled_decode = torch.compile(self.vae.forward, dynamic=None if self.compile_dynamic else False)
+                self._compile(device)
             if self._batched_pool is None:
                 self._batched_pool = torch.cuda.graph_pool_handle()
             for frames in self.compile_shapes:
@@ -268,6 +266,21 @@ class AuKVAEDecodeGraph:
         self._pending = set(pending)  # from now on their windows take another tier, never a capture
         return sorted(pending, key=lambda item: (item.rows > 1, item.frames, item.rows))
 
+    def _compile(self, device: torch.device) -> None:
+        """The compiled decode: loaded or traced ahead of time with `precompiled`, else through
+        torch.compile, which traces it on its first call (every start)."""
+        if self.precompiled is not None and self.compile_dynamic:
+            examples = {frames: self._zero_latent.to(device).expand(1, frames, -1).contiguous()
+                        for frames in self.compile_shapes}
+            try:
+                self._compiled_decode, self.compile_note = precompiled_decode(self.vae, self.precompiled, examples)
+                return
+            except Exception as err:  # no ahead-of-time compile here, or a graph break: as before
+                self.compile_note = f"traced on this start only: {type(err).__name__}: {err}"
+        self._compiled_decode = torch.compile(self.vae.forward, dynamic=None if self.compile_dynamic else False)
+        self._mark_dynamic = self.compile_dynamic
+        self.compile_note = self.compile_note or "traced on this start only"
+
     def ready_buckets(self) -> set[int]:
         """The buckets a deferred warm-up builds before the service is ready: the first tile's
         (every stream's first audio) and the largest (any window fits it)."""
@@ -282,47 +295,15 @@ class AuKVAEDecodeGraph:
         """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
         serving thread, which takes each graph over at its next decode. `on_done(seconds,
         built, failed)` is called on the builder's thread at the end (not when stopped)."""
-        if not pending:
-            return
         self._pending.update(pending)
-        device = torch.device(device)
-        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
-
-        def build_all():
-            began, built = time.perf_counter(), 0
-            switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(switch, BUILD_SWITCH_INTERVAL_S))
-            try:
-                torch.cuda.set_device(index)
-                # A stream of its own: the capture's warm-up runs (and cuDNN's timing) order
-                # nothing of the serving thread's behind them.
-                with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
-                    for item in pending:
-                        if self._stop_building.is_set():
-                            return
-                        try:
-                            entry = self._build(item, beside_serving=True)
-                        except Exception as err:  # out of memory, say: the tier it stands in for stays
-                            logger.warning("deferred graph of %d rows of %d frames failed: %s",
-                                           item.rows, item.frames, err)
-                            entry = None
-                        built += entry is not None
-                        self._built.put((item, entry))
-            except Exception as err:  # the rest stay pending: their windows keep another tier
-                logger.error("building the deferred graphs stopped: %s: %s", type(err).__name__, err)
-            finally:
-                sys.setswitchinterval(switch)
-            if on_done is not None and not self._stop_building.is_set():
-                on_done(time.perf_counter() - began, built, len(pending) - built)
-
-        self._builder = threading.Thread(target=build_all, name="auk-decode-graph-builder", daemon=True)
-        self._builder.start()
+        self._builder.start(
+            pending, lambda item: self._build(item, beside_serving=True), device,
+            describe=lambda item: f"the graph of {item.rows} rows of {item.frames} frames", on_done=on_done,
+        )
 
     def stop_deferred(self, timeout_s: float = 30.0) -> None:
         """Stop building deferred graphs after the one in progress, and wait for that."""
-        self._stop_building.set()
-        if self._builder is not None:
-            self._builder.join(timeout_s)
+        self._builder.stop(timeout_s)
 
     @property
     def deferred_pending(self) -> int:
@@ -509,8 +490,7 @@ class AuKVAEDecodeGraph:
     def _take_built(self) -> None:
         """Take over the deferred graphs built since the last decode (on the serving thread,
         the only one that reads or changes the graph tables)."""
-        while not self._built.empty():
-            item, entry = self._built.get_nowait()
+        for item, entry in self._builder.take():
             self._pending.discard(item)
             if entry is None:
                 if item.rows > 1:
@@ -527,7 +507,7 @@ class AuKVAEDecodeGraph:
     def _capture(self, frames: int, decode: Callable, pool, rows: int = 1, beside_serving: bool = False) -> _Graph:
         device = self.vae.global_mean.device
         static_in = self._zero_latent.to(device).expand(rows, frames, -1).contiguous()
-        if decode is self._compiled_decode and self.compile_dynamic:
+        if decode is self._compiled_decode and self._mark_dynamic:
             torch._dynamo.mark_dynamic(static_in, 1)  # one trace for every bucket's length
         graph, static_out = capture(lambda: decode(static_in), pool=pool, beside_serving=beside_serving)
         return _Graph(graph, static_in, static_out)

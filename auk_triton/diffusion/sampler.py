@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graph import GraphBuilder
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
 from .step_graph import DiTGraphCache
@@ -283,6 +284,11 @@ class AuKDiTSampler:
         self.latent_dim = transformer.latent_dim
         self.text_dim = transformer.text_hidden_dim
         self._tables: OrderedDict[tuple[float, ...], ModulationTable] = OrderedDict()
+        # Buckets (with their guidance mode) whose graphs are built after the service is ready,
+        # the thread that builds them, and the runs served meanwhile by a larger bucket.
+        self._pending: set[tuple[RunShape, bool]] = set()
+        self._builder = GraphBuilder("auk-dit-graph-builder")
+        self.pending_runs = 0
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir, device="cpu", dtype=torch.float32, **kwargs) -> "AuKDiTSampler":
@@ -355,7 +361,21 @@ class AuKDiTSampler:
         """The bucket a plan's run is padded up to; None without buckets or past the largest."""
         if self.buckets is None:
             return None
-        return self.buckets.shape(plan.text.shape[0], plan.frames, 0 if plan.ref is None else plan.ref.shape[0])
+        return self.served_shape(
+            self.buckets.shape(plan.text.shape[0], plan.frames, 0 if plan.ref is None else plan.ref.shape[0]),
+            plan.schedule.guided,
+        )
+
+    def served_shape(self, shape: RunShape | None, guided: bool) -> RunShape | None:
+        """The bucket that serves a run of bucket `shape`: itself, or while its graphs are still
+        being built (`start_deferred`), the smallest built bucket that holds it (a run without
+        a reference in one without either). None stays None: past the largest bucket."""
+        if shape is None or (shape, guided) not in self._pending:
+            return shape
+        holders = [s for s in self.buckets.shapes()
+                   if (s, guided) not in self._pending and s.text >= shape.text and s.frames >= shape.frames
+                   and (s.ref >= shape.ref if shape.ref else s.ref == 0)]
+        return min(holders, key=lambda s: (s.tokens, s.ref), default=shape)
 
     def runs(self, plans: list[Plan], max_requests: int) -> list[list[int]]:
         """Indices of the plans grouped into sampler runs, oldest request's run first: one
@@ -364,6 +384,7 @@ class AuKDiTSampler:
         schedules = [plan.schedule for plan in plans]
         if self.buckets is None:
             return sampler_runs(schedules, max_requests)
+        self._take_built()
         shapes = [self.bucket(plan) for plan in plans]
         limits = [1 if shape is None else self.buckets.requests(shape, plan.schedule.guided)
                   for shape, plan in zip(shapes, plans)]
@@ -411,7 +432,9 @@ class AuKDiTSampler:
 
         if ask("before sampling"):
             return list(stopped)
+        self._take_built()
         ctx, noise, mask = self._batch_context(plans, schedule.guided)
+        ctx.modulation = self.modulation_table(schedule.grid)
 
         def eager(x, t):
             with self._autocast():
@@ -440,9 +463,9 @@ class AuKDiTSampler:
                 results.append(latents)
         return results
 
-    def _batch_context(self, plans: list[Plan], guided: bool):
-        """The run's DiT context (with the modulation table of its grid), its initial noise
-        [B, n, C] and its target mask [B, n] (None when nothing is padded).
+    def _batch_context(self, plans: list[Plan], guided: bool, shape: RunShape | None = None):
+        """The run's DiT context (without its grid's modulation table: `modulation_table`),
+        its initial noise [B, n, C] and its target mask [B, n] (None when nothing is padded).
 
         Every row is padded at its end to the longest prompt, reference and target (with
         buckets, to the run's bucket), and masked (key masks, squeezed rotary positions,
@@ -450,7 +473,8 @@ class AuKDiTSampler:
         (and a run of one without buckets) take no masks, exactly as a request alone; a
         bucketed run is always masked, so that every run of a bucket has one graph's
         structure. A row without a reference among rows with one gets a reference of masked
-        frames, which no valid position sees either."""
+        frames, which no valid position sees either. `shape` pads to that bucket (a warm-up's),
+        not to the one that serves the run now."""
         device, B = self.device, len(plans)
         nt = max(p.text.shape[0] for p in plans)
         n = max(p.frames for p in plans)
@@ -459,7 +483,10 @@ class AuKDiTSampler:
         padded = any(p.text.shape[0] != nt or p.frames != n for p in plans) or (
             np_ > 0 and any(r is None or r.shape[0] != np_ for r in refs)
         )
-        shape = None if self.buckets is None else self.buckets.shape(nt, n, np_)
+        if shape is None and self.buckets is not None:
+            natural = self.buckets.shape(nt, n, np_)
+            shape = self.served_shape(natural, guided)
+            self.pending_runs += shape != natural
         if shape is not None:
             nt, n, np_, padded = shape.text, shape.frames, shape.ref, True
         text = torch.zeros(B, nt, self.text_dim, dtype=self.dtype, device=device)
@@ -484,7 +511,6 @@ class AuKDiTSampler:
                     ref_mask[i, : plan.ref.shape[0]] = True
         with self._autocast():
             ctx = self.model.prepare(text, n, c_mask=c_mask, ref=ref, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
-        ctx.modulation = self.modulation_table(plans[0].schedule.grid)
         return ctx, noise, mask
 
     def modulation_table(self, grid: torch.Tensor) -> ModulationTable:
@@ -502,26 +528,85 @@ class AuKDiTSampler:
         return table
 
     @torch.inference_mode()
-    def warmup(self, on_bucket: Callable[[RunShape, bool, int, float], None] | None = None) -> None:
+    def warmup(self, on_bucket: Callable[[RunShape, bool, int, float], None] | None = None,
+               defer: bool = False) -> list[tuple[RunShape, bool]]:
         """Capture the step of every bucket for each request count it holds, guided and not (a
-        flash checkpoint never guides), compiling it first when the step is compiled.
+        flash checkpoint never guides), compiling it first when the step is compiled. With
+        `defer`, only the `ready_buckets`, and return the rest, smallest first, for
+        `start_deferred`.
 
         Meant for service start: afterwards a run of a bucket replays a graph, and nothing is
         captured or compiled at request time. `on_bucket(shape, guided, graphs, seconds)` is
         told about each bucket and guidance mode as it finishes. CUDA with buckets only."""
         if self.graphs is None or self.buckets is None:
-            return
-        modes = (False,) if self.variant == "flash" else (False, True)
+            return []
+        now = self.ready_buckets() if defer else None
+        pending = []
         for shape in self.buckets.shapes():
-            for guided in modes:
+            for guided in self._guided_modes():
+                if now is not None and (shape, guided) not in now:
+                    pending.append((shape, guided))
+                    continue
                 began = time.perf_counter()
-                plan = self._placeholder_plan(shape, guided)
-                ctx, noise, _ = self._batch_context([plan] * self.buckets.requests(shape, guided), guided)
-                captured = self.graphs.warmup(ctx, noise)
+                captured = self.graphs.warmup(*self._warmup_inputs(shape, guided))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 if on_bucket is not None:
                     on_bucket(shape, guided, captured, time.perf_counter() - began)
+        self._pending = set(pending)  # from now on their runs take a larger bucket, never a capture
+        return sorted(pending, key=lambda item: (item[0].tokens, item[0].ref, item[1]))
+
+    def ready_buckets(self) -> set[tuple[RunShape, bool]]:
+        """The buckets a deferred warm-up builds before the service is ready: for each guidance
+        mode, the largest prompt and target with no reference and with each reference size,
+        so that every request in the buckets has a built bucket that holds it."""
+        if self.buckets is None:
+            return set()
+        text, frames = self.buckets.text[-1], self.buckets.frames[-1]
+        return {(RunShape(text, frames, ref), guided)
+                for ref in (0, *self.buckets.ref) for guided in self._guided_modes()}
+
+    def start_deferred(self, pending: list[tuple[RunShape, bool]],
+                       on_done: Callable[[float, int, int], None] | None = None) -> None:
+        """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
+        serving thread, which takes each bucket's graphs over at its next run. `on_done(seconds,
+        built, failed)` is called on the builder's thread at the end (not when stopped)."""
+        self._pending.update(pending)
+
+        def build(item):
+            with torch.inference_mode():  # as warmup and the runs: their buffers are inference tensors
+                return self.graphs.bucket_graphs(*self._warmup_inputs(*item), beside_serving=True,
+                                                 stopping=lambda: self._builder.stopping)
+
+        self._builder.start(pending, build, self.device, on_done=on_done,
+                            describe=lambda item: f"the graphs of bucket {item[0]} ({'' if item[1] else 'un'}guided)")
+
+    def stop_deferred(self, timeout_s: float = 30.0) -> None:
+        """Stop building deferred graphs after the bucket in progress, and wait for that."""
+        self._builder.stop(timeout_s)
+
+    @property
+    def deferred_pending(self) -> int:
+        """Buckets (and guidance modes) whose graphs the serving thread has not taken over yet."""
+        return len(self._pending)
+
+    def _take_built(self) -> None:
+        """Serve the buckets built since the last run (on the serving thread, the only one that
+        reads or changes the graph tables). A bucket that failed stays pending: its runs keep
+        a larger bucket."""
+        for item, steps in self._builder.take():
+            if steps is not None:
+                self.graphs.install(steps)
+                self._pending.discard(item)
+
+    def _guided_modes(self) -> tuple[bool, ...]:
+        return (False,) if self.variant == "flash" else (False, True)
+
+    def _warmup_inputs(self, shape: RunShape, guided: bool):
+        """A warm-up's context and state: the bucket filled with as many placeholder requests as it holds."""
+        plan = self._placeholder_plan(shape, guided)
+        ctx, noise, _ = self._batch_context([plan] * self.buckets.requests(shape, guided), guided, shape)
+        return ctx, noise
 
     def _placeholder_plan(self, shape: RunShape, guided: bool) -> Plan:
         """A plan that fills a bucket exactly: what warmup captures with (its values do not matter)."""

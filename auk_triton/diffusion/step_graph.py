@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import fields
+from typing import Callable
 
 import torch
 
@@ -67,7 +68,7 @@ class _GraphedStep:
     """One captured velocity step and the static buffers it reads."""
 
     def __init__(self, model: AuKTransformer, ctx: DiTContext, x: torch.Tensor, mod: torch.Tensor,
-                 autocast, pool, blocks: BlockRunners):
+                 autocast, pool, blocks: BlockRunners, beside_serving: bool = False):
         self.model, self.autocast = model, autocast
         self.ctx, self.x, self.mod = ctx, x, mod  # the graph's inputs
         self.table = ctx.modulation
@@ -76,7 +77,7 @@ class _GraphedStep:
             with autocast():
                 return model.velocity(self.x, self.mod, ctx, blocks)
 
-        self.graph, self.out = capture(step, pool=pool, warmups=1)
+        self.graph, self.out = capture(step, pool=pool, warmups=1, beside_serving=beside_serving)
 
     def load(self, ctx: DiTContext) -> None:
         """Copy a run's own context tensors into the graph's (same shapes, by the key)."""
@@ -123,17 +124,30 @@ class DiTGraphCache:
 
     def warmup(self, ctx: DiTContext, x: torch.Tensor) -> int:
         """Capture the step for 1 to B requests of this context's bucket (x [B, n, C] and ctx hold
-        B requests' rows: the largest run, whose buffers the smaller ones' graphs share).
-        Returns the graphs captured. A failed compiled capture falls back to a plain graph."""
-        captured = 0
+        B requests' rows: the largest run, whose buffers the smaller ones' graphs share), and
+        serve them from now on. Returns the graphs captured."""
+        steps = self.bucket_graphs(ctx, x)
+        self.install(steps)
+        return len(steps)
+
+    def bucket_graphs(self, ctx: DiTContext, x: torch.Tensor, beside_serving: bool = False,
+                      stopping: Callable[[], bool] = lambda: False) -> dict:
+        """The graphs `warmup` captures, not yet served (`install`): a graph built after the
+        service is ready (`beside_serving`, see cuda_graph.capture) is handed to the serving
+        thread first, and ends early once `stopping()` (the model is unloading). A failed
+        compiled capture falls back to a plain graph."""
+        steps = {}
         mod = self._modulation_buffer(x.device)
         for requests in range(1, x.shape[0] + 1):
+            if stopping():
+                break
             view, x_view = ctx.head(requests * ctx.copies), x[:requests]
             key = graph_key(view, x_view.shape)
             if key in self._buckets:
                 continue
             try:
-                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, self.blocks)
+                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, self.blocks,
+                                    beside_serving)
             except Exception as err:
                 if self.blocks is EAGER_BLOCKS:
                     log.warning("CUDA graph capture failed for shape %s: %s: %s", key[:3], type(err).__name__, err)
@@ -141,11 +155,15 @@ class DiTGraphCache:
                 self.compile_failures += 1
                 log.warning("compiled step failed for shape %s, a plain graph serves it: %s: %s",
                             key[:3], type(err).__name__, err)
-                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, EAGER_BLOCKS)
-            self._buckets[key] = step
-            self.captures += 1
-            captured += 1
-        return captured
+                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, EAGER_BLOCKS,
+                                    beside_serving)
+            steps[key] = step
+        return steps
+
+    def install(self, steps: dict) -> None:
+        """Serve these bucket graphs (`bucket_graphs`) from now on."""
+        self._buckets.update(steps)
+        self.captures += len(steps)
 
     def velocity(self, ctx: DiTContext, x_shape):
         """A graphed velocity function for this context, or None to run eagerly."""

@@ -106,6 +106,18 @@ def find_artifacts(artifacts_dir: Path, key: BuildKey) -> tuple[Path, str | None
     return folder, f"none in {artifacts_dir}"
 
 
+def precompiled_decode_path(folder: Path, checkpoint: Path, decoder_options: dict) -> Path:
+    """Where a build's subfolder keeps the traced decode (codec/precompiled.py) of this decoder:
+    keyed by what its guards do not check, the decoder's options (precision, fused kernel,
+    layout) and the checkpoint's architecture (its config.json; the weights are read live)."""
+    try:
+        architecture = (Path(checkpoint) / "config.json").read_text()
+    except OSError:
+        architecture = ""
+    options = json.dumps({name: repr(value) for name, value in sorted(decoder_options.items())})
+    return Path(folder) / f"decode-{hashlib.sha256((options + architecture).encode()).hexdigest()[:16]}.bin"
+
+
 def use_artifacts(artifacts_dir: Path, device: torch.device, log: Callable[[str], None]) -> Path:
     """Point this process's compile caches at the artifacts of its own build key (unless
     TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set), saying whether they were found and,

@@ -283,7 +283,7 @@ class DiTSettings:
     compile_step: bool = True
     # GPU, with CUDA graphs: each run is padded up to the smallest of these sizes that holds its
     # longest prompt (tokens), target and reference (frames), and every bucket's graphs (one per
-    # request count it holds) are captured at load, before READY. 10 s of audio with up to 64
+    # request count it holds) are captured at load (before READY, or after: defer_graphs). 10 s of audio with up to 64
     # tokens lands on (64, 512); a request past the largest size of any list runs alone, its
     # graph captured at request time (logged and counted as a fallback). Empty text or target
     # lists: no buckets (a graph per exact run shape, as max_graphs keeps them).
@@ -295,6 +295,11 @@ class DiTSettings:
     # and 64 tokens, 16 x 2 x (64 + 512). It bounds a run's memory, its step time and the
     # graphs a large bucket needs.
     max_batch_tokens: int = 18432
+    # GPU, with buckets: only the largest bucket of each reference size (for each guidance mode)
+    # is captured before READY; the others after it, smallest first, on a thread beside serving.
+    # Meanwhile a run takes the smallest built bucket that holds it (auk_dit_fallback_runs_total,
+    # kind="larger_bucket"). False: every bucket before READY.
+    defer_graphs: bool = True
     cache_dir: Path = DEFAULT_CACHE_DIR
     artifacts_dir: Path | None = None  # the compile caches (artifacts_dir_path); None: `artifacts` in cache_dir
 
@@ -319,6 +324,7 @@ class DiTSettings:
             frame_buckets=list_parameter(params, "frame_buckets", default.frame_buckets, "256,512,1024,2048"),
             ref_buckets=list_parameter(params, "ref_buckets", default.ref_buckets, "512,2048"),
             max_batch_tokens=int_parameter(params, "max_batch_tokens", default.max_batch_tokens, 1),
+            defer_graphs=bool_parameter(params, "defer_graphs", default.defer_graphs),
             cache_dir=cache_dir,
             artifacts_dir=artifacts_dir_path(params, model_dir, cache_dir, environ),
         )

@@ -30,7 +30,7 @@ from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
 from auk_triton.codec.pcm16 import to_pcm16
 
 from .checkpoints import resolve_checkpoint
-from .artifacts import use_artifacts
+from .artifacts import precompiled_decode_path, use_artifacts
 from .config import CALL_TOKEN_PARAMETER, CANCEL_CALL_PARAMETER, GPU_DECODE_PRECISION, DecodeSettings
 from .metrics import DecodeMetrics
 from .requests import require_finite, validate_latents
@@ -136,12 +136,13 @@ class TritonPythonModel:
         self.early_cancels: OrderedDict[str, bool] = OrderedDict()
         self.settings = settings = DecodeSettings.from_model_config(self.model_config, Path(args["model_repository"]))
         self.device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
-        use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
+        artifacts = use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
 
         checkpoint = resolve_checkpoint(settings.checkpoint, settings.cache_dir, lambda text: log("warn", text))
         began = time.perf_counter()
+        options = self._decoder_options()
         try:
-            self.vae = AuKVAE.from_pretrained(checkpoint, device=self.device, **self._decoder_options())
+            self.vae = AuKVAE.from_pretrained(checkpoint, device=self.device, **options)
         except (OSError, ValueError) as err:
             where = "" if str(checkpoint) in str(err) else f" {checkpoint}"
             raise RuntimeError(f"cannot load the AuK checkpoint{where}: {err}") from err
@@ -159,6 +160,7 @@ class TritonPythonModel:
             batch_sizes=settings.batch_sizes,
             batch_frames=settings.batch_frames,
             compile_dynamic=settings.compile_dynamic,
+            precompiled=precompiled_decode_path(artifacts, checkpoint, options),
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -179,6 +181,8 @@ class TritonPythonModel:
         self.scheduler.start(warmup=lambda: deferred.extend(
             self.graph.warmup(self.device, on_bucket=on_bucket, defer=settings.defer_graphs)))
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
+        if self.graph.compile_note:
+            log("info", f"{self.name}: compiled decode {self.graph.compile_note}")
         freeze_heap()
         log(
             "info",

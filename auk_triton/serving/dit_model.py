@@ -17,9 +17,12 @@ Output LATENTS FP32 [1, ceil(50 * GEN_SECONDS), 64]. The requests of one `execut
 whose sampling can share a run (one time grid, guided or not; on a GPU, one shape
 bucket) are sampled together, at most `max_batch_requests` a run (and on a GPU as
 many as the bucket's `max_batch_tokens` hold), oldest run first; each run's
-responses are sent as soon as it ends. On a GPU every bucket's step graphs are
-compiled and captured in `initialize`, before the model is ready; a run that
-finds none (a request past the largest bucket) is logged and counted
+responses are sent as soon as it ends. On a GPU the step is compiled and the
+buckets' step graphs captured in `initialize`: with `defer_graphs`, the largest
+bucket of each reference size before the model is ready and the others after,
+on a thread beside `execute`, whose runs meanwhile take the smallest built
+bucket that holds them (counted, `kind="larger_bucket"`). A run that finds no
+graph (a request past the largest bucket) is logged and counted too
 (`auk_dit_fallback_runs_total`). A request that breaks a limit (duration, steps,
 MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
 (INVALID_ARG) before any sampling and its batch runs without it. A request whose
@@ -84,13 +87,15 @@ class TritonPythonModel:
                      f"{settings.max_batch_requests} requests a run) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")
         self.metrics = DiTMetrics({"model": self.name, "version": str(args["model_version"])})
-        self._warm_up(compiled)
+        deferred = self._warm_up(compiled)
         freeze_heap()
+        self.sampler.start_deferred(deferred, on_done=self._deferred_built)
 
-    def _warm_up(self, compiled: bool) -> None:
-        """Capture every bucket's step graphs (compiling the step first, when on) before READY."""
+    def _warm_up(self, compiled: bool) -> list:
+        """Capture the buckets' step graphs (compiling the step first, when on) before READY:
+        all of them, or with `defer_graphs` the `ready_buckets`, returning the others."""
         if self.sampler.buckets is None or self.sampler.graphs is None:
-            return
+            return []
         began = time.perf_counter()
 
         def on_bucket(shape, guided, graphs, seconds):
@@ -98,14 +103,21 @@ class TritonPythonModel:
                            f"{shape.ref or 'no'} reference frames, {'guided' if guided else 'unguided'}: "
                            f"{graphs} graphs in {seconds:.2f} s")
 
-        self.sampler.warmup(on_bucket)
+        deferred = self.sampler.warmup(on_bucket, defer=self.settings.defer_graphs)
         graphs = self.sampler.graphs
         failures = ""
         if graphs.compile_failures:
             failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs serve them)"
+        later = f"; {len(deferred)} buckets to capture after READY" if deferred else ""
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
-            f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}")
+            f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}{later}")
+        return deferred
+
+    def _deferred_built(self, seconds: float, built: int, failed: int) -> None:
+        log("warn" if failed else "info",
+            f"{self.name}: {built} deferred buckets captured in {seconds:.1f} s after READY"
+            f"{f', {failed} FAILED (their runs stay on a larger bucket)' if failed else ''}")
 
     def execute(self, requests):
         """Plan every request, sample the plans in runs, send each run's responses as it ends.
@@ -137,13 +149,19 @@ class TritonPythonModel:
 
     def _fallbacks(self) -> dict[str, int]:
         graphs = self.sampler.graphs
-        return {} if graphs is None else {"capture": graphs.request_captures, "eager": graphs.eager_runs}
+        if graphs is None:
+            return {}
+        return {"capture": graphs.request_captures, "eager": graphs.eager_runs,
+                "larger_bucket": self.sampler.pending_runs}
 
     def _count_fallbacks(self, before: dict[str, int], plans) -> None:
-        """Log and count a run that found no graph captured at load (GPU only)."""
+        """Count a run that found no graph of its own bucket (GPU only); log one that found
+        none at all (a larger bucket's, while its own is built after READY, is expected)."""
         for kind, count in self._fallbacks().items():
             if count > before[kind]:
                 self.metrics.fallback(kind, count - before[kind])
+                if kind == "larger_bucket":
+                    continue
                 plan = max(plans, key=lambda p: p.frames)
                 ref = 0 if plan.ref is None else plan.ref.shape[0]
                 log("warn", f"{self.name}: a run of {len(plans)} request(s) up to {plan.text.shape[0]} tokens, "
@@ -160,6 +178,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)])
 
     def finalize(self):
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.stop_deferred()
         if getattr(self, "sampler", None) is not None and self.sampler.graphs is not None:
             self.sampler.graphs.clear()
         self.sampler = None

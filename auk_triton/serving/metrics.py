@@ -277,13 +277,15 @@ class OfflineMetrics:
 
 
 class DiTMetrics:
-    """auk_dit's counter of sampler runs that found no step graph captured at load: their graph
-    was captured at request time (`kind="capture"`) or they stepped eagerly (`kind="eager"`).
+    """auk_dit's counter of sampler runs that found no step graph of their own bucket: their graph
+    was captured at request time (`kind="capture"`), they stepped eagerly (`kind="eager"`), or
+    their bucket was still being built after READY and a larger one served them
+    (`kind="larger_bucket"`).
 
     Only a fallback updates it (a round trip to the server, after the run's responses are
     sent), so the runs that replay their bucket's graphs pay nothing for it."""
 
-    KINDS = ("capture", "eager")
+    KINDS = ("capture", "eager", "larger_bucket")
 
     def __init__(self, labels: dict[str, str]):
         self._family = None
@@ -294,8 +296,9 @@ class DiTMetrics:
         try:
             self._family = family_cls(
                 name="auk_dit_fallback_runs_total",
-                description="auk_dit sampler runs with no step graph captured at load: captured at request "
-                            "time (kind=capture) or stepped eagerly (kind=eager)",
+                description="auk_dit sampler runs with no step graph of their own bucket: captured at request "
+                            "time (kind=capture), stepped eagerly (kind=eager), or served by a larger bucket "
+                            "while theirs was built after READY (kind=larger_bucket)",
                 kind=family_cls.COUNTER,
             )
             self._runs = {kind: self._family.Metric(labels={**labels, "kind": kind}) for kind in self.KINDS}

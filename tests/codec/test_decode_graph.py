@@ -213,7 +213,7 @@ def test_a_graph_still_being_built_leaves_its_windows_to_another_tier_and_is_tak
     assert graph.pending_fallbacks == 3
 
     for item in graph._pending:  # the builder hands them over
-        graph._built.put((item, stand_in(item.frames, item.rows)))
+        graph._builder.hand_over(item, stand_in(item.frames, item.rows))
     replayed.clear()
     graph.decode_rows([window])
     graph.decode_rows(pair)

@@ -209,3 +209,23 @@ def test_graphs_built_after_ready_leave_requests_served_by_another_tier_meanwhil
     assert graph.last_mode == "batched"
     assert graph.captures == 0, "no plain graph captured at request time"
     assert served > 0
+
+
+def test_a_restart_loads_the_saved_decode_traces_nothing_and_decodes_bit_identically(vae, tmp_path):
+    from torch._dynamo.utils import counters
+
+    path = tmp_path / "decode.bin"
+    first = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128), precompiled=path)
+    first.warmup("cuda")
+    assert first.compile_note.startswith(f"traced and saved to {path}") and path.exists()
+    traced = counters["stats"]["unique_graphs"]
+    restarted = AuKVAEDecodeGraph(vae, compile_shapes=(32, 128), precompiled=path)  # the next start's
+    restarted.warmup("cuda")
+    assert restarted.compile_note == f"loaded {path}: nothing traced"
+    assert counters["stats"]["unique_graphs"] == traced, "no Dynamo trace on the restart"
+    for frames, seed in ((128, 20), (100, 21), (32, 22)):
+        clip = latents(frames, seed)
+        out = restarted(clip)
+        assert restarted.last_mode == "compiled"
+        assert torch.equal(out, first(clip)), "the same compiled decode, bit for bit"
+        assert rel_l2(out, vae.decode(clip)) < COMPILED_TOLERANCE

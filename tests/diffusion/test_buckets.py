@@ -167,8 +167,7 @@ def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain
     # smaller runs reading the front of a bucket's buffers, each run's inputs copied in.
     from auk_triton.diffusion import step_graph
 
-    monkeypatch.setattr(step_graph, "capture", lambda run, pool, warmups: (graph := _StandInGraph(run), graph.captured))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    _stand_in_graphs(monkeypatch)
     buckets = ShapeBuckets(text=(8, 16), frames=(16,), ref=(8,), max_tokens=4 * 2 * 40, max_requests=4)
     sampler = load_sampler(checkpoint, buckets=buckets)
     sampler.graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
@@ -190,3 +189,54 @@ def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain
     assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (32, 0, 0)
     sampler.generate(Request(prompt(3, 4), 0.4, 5, num_steps=2, guidance=0.0))  # 20 frames: past the bucket
     assert graphs.eager_runs == 1, "with max_graphs 0, a run past the buckets steps eagerly, counted"
+
+
+def test_a_bucket_still_being_built_leaves_its_runs_to_the_smallest_built_bucket_that_holds_them(
+        plain, checkpoint, monkeypatch):
+    # Deferred buckets (built after READY on a thread of their own): meanwhile a run takes a
+    # larger bucket's graphs, counted, with the same result; never a capture at request time.
+    from auk_triton.diffusion import step_graph
+
+    _stand_in_graphs(monkeypatch)
+    sampler = load_sampler(checkpoint, buckets=BUCKETS)
+    sampler.graphs = graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
+    pending = sampler.warmup(defer=True)
+    ready = {(RunShape(16, 32, ref), guided) for ref in (0, 8, 24) for guided in (False, True)}
+    assert sampler.ready_buckets() == ready
+    assert set(pending) == {(s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
+    assert pending[0][0] == RunShape(8, 16, 0), "the smallest buckets are built first"
+    assert graphs.captures == sum(BUCKETS.requests(s, g) for s, g in ready)
+    captures = graphs.captures
+
+    short = Request(prompt(5, 0), 0.2, 1, num_steps=2, guidance=0.0)  # its own bucket: (8, 16, 0)
+    edit = Request(prompt(3, 1), 0.1, 2, num_steps=2, guidance=2.0, ref_latents=reference(7, 1))  # (8, 16, 8)
+    for request, holder in ((short, RunShape(16, 32, 0)), (edit, RunShape(16, 32, 8))):
+        plans = [sampler.plan(request)] * 3
+        runs = sampler.runs(plans, max_requests=16)
+        assert sampler.bucket(plans[0]) == holder and runs == [[0, 1, 2]]
+        for row in sampler.generate_batch(plans):
+            assert max_error(row, plain.generate(request)) < TOLERANCE
+    assert sampler.pending_runs == 2
+    assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (captures, 0, 0)
+
+    # The builder hands a bucket's graphs over; the serving thread takes them at its next run.
+    item = (RunShape(8, 16, 0), False)
+    sampler._builder.hand_over(item, graphs.bucket_graphs(*sampler._warmup_inputs(*item)))
+    assert sampler.runs([sampler.plan(short)], max_requests=16) == [[0]]
+    assert sampler.bucket(sampler.plan(short)) == RunShape(8, 16, 0)
+    assert sampler.deferred_pending == len(pending) - 1
+    assert max_error(sampler.generate(short), plain.generate(short)) < TOLERANCE
+    assert sampler.pending_runs == 2 and graphs.captures == captures + BUCKETS.requests(*item)
+    # A bucket whose build failed stays pending: its runs keep the larger bucket.
+    failed = (RunShape(8, 16, 8), True)
+    sampler._builder.hand_over(failed, None)
+    sampler.generate(edit)
+    assert sampler.pending_runs == 3 and failed in sampler._pending and graphs.request_captures == 0
+
+
+def _stand_in_graphs(monkeypatch):
+    from auk_triton.diffusion import step_graph
+
+    monkeypatch.setattr(step_graph, "capture",
+                        lambda run, pool, warmups, beside_serving=False: (graph := _StandInGraph(run), graph.captured))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)

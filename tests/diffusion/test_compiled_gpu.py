@@ -2,6 +2,8 @@
 bf16 step, and no capture or compilation at request time once the buckets are warm."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -91,3 +93,34 @@ def test_requests_in_the_buckets_capture_and_compile_nothing(served):
     # A request past the largest bucket is the fallback, captured now and counted.
     served.generate(_request(15, 2.0, 4, guidance=0.0))
     assert graphs.request_captures == 1 and counters["stats"]["unique_graphs"] == compiled
+
+
+def test_buckets_built_after_ready_leave_their_runs_to_a_larger_bucket_meanwhile_and_capture_nothing_then(
+        checkpoint):
+    sampler = load_sampler(checkpoint, "cuda", max_graphs=4, buckets=BUCKETS, compile=CompileOptions())
+    eager = load_sampler(checkpoint, "cuda")
+    pending = sampler.warmup(defer=True)
+    ready = sampler.ready_buckets()
+    assert set(pending) == {(s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
+    assert sampler.graphs.captures == sum(BUCKETS.requests(s, g) for s, g in ready)
+    requests = [_request(20, 0.5, 4, guidance=0.0), _request(21, 0.3, 6, ref_frames=10, guidance=2.0)]
+    expected = [eager.generate(r) for r in requests]
+    done = threading.Event()
+    sampler.start_deferred(pending, on_done=lambda seconds, built, failed: done.set())
+    served_meanwhile, deadline = 0, time.monotonic() + 120
+    try:
+        while not done.is_set() and time.monotonic() < deadline:  # served beside the builder
+            for request, reference in zip(requests, expected):
+                assert _rel_l2(sampler.generate(request), reference) <= 2e-2
+            served_meanwhile += 1
+        assert done.wait(max(0.0, deadline - time.monotonic())), "the deferred buckets were built"
+    finally:
+        sampler.stop_deferred()
+    runs_on_larger = sampler.pending_runs
+    for request, reference in zip(requests, expected):  # on their own buckets now
+        assert _rel_l2(sampler.generate(request), reference) <= 2e-2
+    graphs = sampler.graphs
+    print(f"{served_meanwhile} rounds served while building, {runs_on_larger} runs on a larger bucket")
+    assert served_meanwhile >= 1 and runs_on_larger >= 1 and sampler.pending_runs == runs_on_larger
+    assert sampler.deferred_pending == 0 and graphs.captures == BUCKETS.graphs()
+    assert (graphs.request_captures, graphs.eager_runs, graphs.compile_failures) == (0, 0, 0)

@@ -82,3 +82,18 @@ def test_the_code_fingerprint_changes_when_the_codec_or_the_diffusion_model_chan
     with open(tmp_path / "diffusion" / "transformer.py", "a") as source:
         source.write("\n# a change\n")
     assert code_fingerprint(tmp_path) != code_fingerprint()
+
+
+def test_the_saved_decode_is_named_by_the_decoder_options_and_architecture_its_guards_do_not_check(tmp_path):
+    from auk_triton.serving.artifacts import precompiled_decode_path
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"vae": {"latent_dim": 64}}')
+    fp16 = {"channels_last": True, "dtype": torch.float16}
+    path = precompiled_decode_path(tmp_path, checkpoint, fp16)
+    assert path.parent == tmp_path and path.name.startswith("decode-") and path.suffix == ".bin"
+    assert precompiled_decode_path(tmp_path, checkpoint, dict(fp16)) == path
+    assert precompiled_decode_path(tmp_path, checkpoint, {**fp16, "channels_last": False}) != path
+    (checkpoint / "config.json").write_text('{"vae": {"latent_dim": 32}}')
+    assert precompiled_decode_path(tmp_path, checkpoint, fp16) != path
