@@ -6,6 +6,7 @@ import queue
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
@@ -17,6 +18,18 @@ Output = TypeVar("Output")
 # The interpreter's switch interval while graphs build beside the serving thread: it
 # bounds how long that thread waits for the GIL (the default is 5 ms).
 BUILD_SWITCH_INTERVAL_S = 0.0005
+
+
+@contextmanager
+def short_switch_interval(seconds: float = BUILD_SWITCH_INTERVAL_S) -> Iterator[None]:
+    """The interpreter's switch interval at most `seconds` inside: a thread that launches many
+    small kernels then waits that long at most for the GIL another thread holds."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(switch)
 
 
 def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
@@ -86,13 +99,11 @@ class GraphBuilder:
 
         def build_all():
             began, built = time.perf_counter(), 0
-            switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(switch, BUILD_SWITCH_INTERVAL_S))
             try:
                 torch.cuda.set_device(index)
                 # A stream of its own: the captures' warm-up runs (and cuDNN's timing) order
                 # nothing of the serving thread's behind them.
-                with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+                with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()), short_switch_interval():
                     for item in items:
                         if self._stop.is_set():
                             return
@@ -106,8 +117,6 @@ class GraphBuilder:
                         self._built.put((item, result))
             except Exception as err:  # the rest stay pending: their work keeps another tier
                 logger.error("%s stopped: %s: %s", self.name, type(err).__name__, err)
-            finally:
-                sys.setswitchinterval(switch)
             if on_done is not None and not self._stop.is_set():
                 on_done(time.perf_counter() - began, built, len(items) - built)
 

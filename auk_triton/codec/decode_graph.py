@@ -14,7 +14,8 @@ arithmetic. `AuKVAEDecodeGraph` replays it:
    bit-identical with, eager. With `compile_dynamic` (the default) the time axis
    is traced symbolically: Dynamo traces the decode once for every bucket, not
    once per bucket; with `precompiled` too, that trace is saved and later starts
-   load it instead of tracing (precompiled.py).
+   load it instead of tracing (precompiled.py), while the eager decode of the buckets
+   built first has cuDNN time their convolutions (`_compile_while_priming`).
 2. Tiling: a clip longer than `tile_frames` is decoded in windows that overlap
    by the decoder's receptive field (`AuKVAE.decode_context_frames()`); each
    window contributes only frames whose whole context lies inside it, so the
@@ -59,13 +60,14 @@ none, and hands each graph over through a queue that the caller's decodes drain.
 """
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..cuda_graph import GraphBuilder, capture
+from ..cuda_graph import GraphBuilder, capture, short_switch_interval
 from .precompiled import precompiled_decode
 from .tiling import plan_tiles
 from .vae import AuKVAE
@@ -237,7 +239,7 @@ class AuKVAEDecodeGraph:
         pending = []
         with torch.cuda.device(device), torch.no_grad():
             if self._compiled_decode is None:
-                self._compile(device)
+                self._compile_while_priming(device, sorted(now))
             if self._batched_pool is None:
                 self._batched_pool = torch.cuda.graph_pool_handle()
             for frames in self.compile_shapes:
@@ -265,6 +267,43 @@ class AuKVAEDecodeGraph:
                     on_bucket(frames, seconds, ok)
         self._pending = set(pending)  # from now on their windows take another tier, never a capture
         return sorted(pending, key=lambda item: (item.rows > 1, item.frames, item.rows))
+
+    def _compile_while_priming(self, device: torch.device, buckets: Sequence[int]) -> None:
+        """`_compile` on a thread of its own while this thread runs the eager decode of each of
+        `buckets`. With `cudnn.benchmark`, cuDNN times its convolution algorithms on a shape's
+        first call, on the thread that calls (its choices are kept per thread); the compiled
+        decode calls the same convolutions, so the captures that follow here find them timed.
+        Loading a saved decode is host work and the timing device work: they overlap."""
+        # Only beside a load: a trace compiles on the device too, and a torch.compile is traced
+        # on its first call, on this thread.
+        loads = self.precompiled is not None and self.compile_dynamic and self.precompiled.exists()
+        if not loads or not buckets or not (torch.backends.cudnn.enabled and torch.backends.cudnn.benchmark):
+            self._compile(device)
+            return
+        began = time.perf_counter()
+        outcome: dict[str, object] = {}
+
+        def compile_here():
+            try:
+                with torch.cuda.device(device), torch.no_grad():
+                    self._compile(device)
+            except BaseException as err:  # raised again on the warm-up's thread
+                outcome["error"] = err
+            outcome["seconds"] = time.perf_counter() - began
+
+        # The load holds the GIL for long stretches; the eager decode needs it between kernels.
+        with short_switch_interval():
+            loader = threading.Thread(target=compile_here, name="auk-decode-compile", daemon=True)
+            loader.start()
+            for frames in buckets:
+                self.vae(self._zero_latent.to(device).expand(1, frames, -1).contiguous())
+            torch.cuda.current_stream().synchronize()
+            primed = time.perf_counter() - began
+            loader.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        self.compile_note += (f" in {outcome['seconds']:.1f} s; meanwhile cuDNN timed the convolutions of "
+                              f"buckets {list(buckets)} in {primed:.1f} s")
 
     def _compile(self, device: torch.device) -> None:
         """The compiled decode: loaded or traced ahead of time with `precompiled`, else through
