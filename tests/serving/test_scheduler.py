@@ -219,13 +219,15 @@ class ClosedLoopClient(RecordingSink):
     def __init__(self, scheduler, frames: int, left: list, took: list, clock):
         super().__init__([], 0.0)
         self.scheduler, self.frames, self.left, self.took, self.clock = scheduler, frames, left, took, clock
-        self.sent = clock()
-        scheduler.submit(Job(clip(frames, 0.0), self))
+        # Timed from the scheduler's own stamp of its arrival: a clock read before `submit`
+        # would count the decodes of other threads' clients run while this thread waits.
+        self.job = Job(clip(frames, 0.0), self)
+        scheduler.submit(self.job)
 
     def tile(self, start_sample, samples, last):
         super().tile(start_sample, samples, last)
         if last:
-            self.took.append(self.clock() - self.sent)
+            self.took.append(self.clock() - self.job.arrived)
             if self.left[0] > 0:
                 self.left[0] -= 1
                 ClosedLoopClient(self.scheduler, self.frames, self.left, self.took, self.clock)
