@@ -13,7 +13,9 @@ serves every bucket and row count (Dynamo still specialises a single row), so
 the bucket set does not multiply compile time. `dynamic=False` compiles per
 shape, for comparison. Either way the compiled step is captured as a CUDA
 graph; Inductor's caches (the start-up artifacts, serving/artifacts.py) keep
-the generated code across restarts, so a warm start pays Dynamo's tracing only.
+the generated code across restarts. With `traces_dir`, Dynamo's traces are kept
+there too (precompiled.py), so a warm start traces nothing; without it, a warm
+start pays Dynamo's tracing.
 
 Fused kernels keep their intermediates in fp32, where the eager step rounds each
 op's output to bf16; left so, the two bf16 answers drift apart over the blocks.
@@ -25,9 +27,11 @@ measurable cost (benchmarks/studies/dit-step-kernels.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from .precompiled import PrecompiledFunction
 from .transformer import BlockRunners, run_double_block, run_single_block
 
 # Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
@@ -41,6 +45,10 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 class CompileOptions:
     dynamic: bool = True  # one compilation for every shape; False: one per shape
     backend: str = "inductor"  # "eager" or "aot_eager" check the tracing without generating code
+    # Where the blocks' traces are saved and loaded (precompiled.py), keyed by the caller; None:
+    # traced on every start. Dynamic shapes only (per-shape traces would be one file a shape),
+    # and not with the "eager" backend, whose traces cannot be saved.
+    traces_dir: Path | None = None
 
 
 def compiled_blocks(options: CompileOptions) -> BlockRunners:
@@ -56,5 +64,15 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
+    if options.traces_dir is not None and options.dynamic and options.backend != "eager":
+        folder = Path(options.traces_dir)
+        return BlockRunners(double=PrecompiledFunction(run_double_block, folder, compile_kw),
+                            single=PrecompiledFunction(run_single_block, folder, compile_kw))
     return BlockRunners(double=torch.compile(run_double_block, **compile_kw),
                         single=torch.compile(run_single_block, **compile_kw))
+
+
+def traces_note(blocks: BlockRunners) -> str | None:
+    """What the saved traces of `compiled_blocks` gave this start, for the log (None: not saved)."""
+    runners = [runner for runner in (blocks.double, blocks.single) if isinstance(runner, PrecompiledFunction)]
+    return "; ".join(runner.note() for runner in runners) or None

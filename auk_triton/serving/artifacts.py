@@ -106,16 +106,27 @@ def find_artifacts(artifacts_dir: Path, key: BuildKey) -> tuple[Path, str | None
     return folder, f"none in {artifacts_dir}"
 
 
-def precompiled_decode_path(folder: Path, checkpoint: Path, decoder_options: dict) -> Path:
-    """Where a build's subfolder keeps the traced decode (codec/precompiled.py) of this decoder:
-    keyed by what its guards do not check, the decoder's options (precision, fused kernel,
-    layout) and the checkpoint's architecture (its config.json; the weights are read live)."""
+def _traced_key(checkpoint: Path, options: dict) -> str:
+    """What a saved trace's guards do not check: the options it was traced with and the
+    checkpoint's architecture (its config.json; the weights are read live)."""
     try:
         architecture = (Path(checkpoint) / "config.json").read_text()
     except OSError:
         architecture = ""
-    options = json.dumps({name: repr(value) for name, value in sorted(decoder_options.items())})
-    return Path(folder) / f"decode-{hashlib.sha256((options + architecture).encode()).hexdigest()[:16]}.bin"
+    text = json.dumps({name: repr(value) for name, value in sorted(options.items())})
+    return hashlib.sha256((text + architecture).encode()).hexdigest()[:16]
+
+
+def precompiled_decode_path(folder: Path, checkpoint: Path, decoder_options: dict) -> Path:
+    """Where a build's subfolder keeps the traced decode (codec/precompiled.py) of this decoder,
+    keyed by its options (precision, fused kernel, layout) and architecture."""
+    return Path(folder) / f"decode-{_traced_key(checkpoint, decoder_options)}.bin"
+
+
+def precompiled_blocks_dir(folder: Path, checkpoint: Path, options: dict) -> Path:
+    """Where a build's subfolder keeps the DiT blocks' traces (diffusion/precompiled.py), keyed by
+    the options they were compiled with (dtype, compile options) and the architecture."""
+    return Path(folder) / f"dit-blocks-{_traced_key(checkpoint, options)}"
 
 
 def use_artifacts(artifacts_dir: Path, device: torch.device, log: Callable[[str], None]) -> Path:

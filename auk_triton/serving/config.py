@@ -278,8 +278,8 @@ class DiTSettings:
     # at most max_batch_size); 1: one request at a time, no batching.
     max_batch_requests: int = 16
     # GPU, with CUDA graphs: the step runs through torch.compile (its blocks, dynamic shapes)
-    # before each bucket's graphs are captured at load; the Inductor cache in cache_dir keeps
-    # the generated code across restarts. A CPU steps eagerly whatever this says.
+    # before each bucket's graphs are captured at load; the start-up artifacts keep the
+    # generated code and the blocks' traces across restarts. A CPU steps eagerly whatever this says.
     compile_step: bool = True
     # GPU, with CUDA graphs: each run is padded up to the smallest of these sizes that holds its
     # longest prompt (tokens), target and reference (frames), and every bucket's graphs (one per

@@ -41,9 +41,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
+from auk_triton.diffusion.compiled import INDUCTOR_OPTIONS, traces_note
 
 from .checkpoints import resolve_checkpoint
-from .artifacts import use_artifacts
+from .artifacts import precompiled_blocks_dir, use_artifacts
 from .config import DiTSettings
 from .metrics import DiTMetrics
 from .errors import RequestCancelled
@@ -68,14 +69,19 @@ class TritonPythonModel:
         # Buckets and the compiled step serve the CUDA graphs: a CPU pads to the longest row, eagerly.
         graphs = settings.enable_cuda_graphs and self.device.type == "cuda"
         compiled = graphs and settings.compile_step
+        options = None
         if compiled:
-            use_artifacts(settings.artifacts_dir, self.device, lambda text: log("info", f"{self.name}: {text}"))
+            artifacts = use_artifacts(settings.artifacts_dir, self.device,
+                                      lambda text: log("info", f"{self.name}: {text}"))
+            # The blocks' traces are kept beside the compile caches, keyed by what they were traced with.
+            traced_with = {"dtype": settings.dtype, "compile": CompileOptions(), "inductor": INDUCTOR_OPTIONS}
+            options = CompileOptions(traces_dir=precompiled_blocks_dir(artifacts, checkpoint, traced_with))
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(
             checkpoint, self.device, DTYPES[settings.dtype], max_frames=settings.max_frames,
             max_graphs=settings.max_graphs if settings.enable_cuda_graphs else 0,
             buckets=settings.shape_buckets() if graphs else None,
-            compile=CompileOptions() if compiled else None,
+            compile=options,
         )
         check_tensor_widths(self.model_config, {
             "PROMPT_EMBEDS": ("text width (dit.text_hidden_dim)", self.sampler.text_dim),
@@ -109,6 +115,9 @@ class TritonPythonModel:
         if graphs.compile_failures:
             failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs serve them)"
         later = f"; {len(deferred)} buckets to capture after READY" if deferred else ""
+        traces = traces_note(graphs.blocks)
+        if traces:
+            log("info", f"{self.name}: compiled blocks: {traces}")
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
             f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}{later}")

@@ -1,5 +1,6 @@
 """The compiled, bucketed DiT step on CUDA (skipped without a GPU): its accuracy against the eager
-bf16 step, and no capture or compilation at request time once the buckets are warm."""
+bf16 step, no capture or compilation at request time once the buckets are warm, and a restart that
+loads the blocks' saved traces and traces nothing."""
 
 import json
 import threading
@@ -124,3 +125,33 @@ def test_buckets_built_after_ready_leave_their_runs_to_a_larger_bucket_meanwhile
     assert served_meanwhile >= 1 and runs_on_larger >= 1 and sampler.pending_runs == runs_on_larger
     assert sampler.deferred_pending == 0 and graphs.captures == BUCKETS.graphs()
     assert (graphs.request_captures, graphs.eager_runs, graphs.compile_failures) == (0, 0, 0)
+
+
+def test_a_restart_loads_the_blocks_saved_traces_traces_nothing_and_gives_the_same_velocity_bit_for_bit(
+        checkpoint, tmp_path):
+    def started():
+        sampler = load_sampler(checkpoint, "cuda", max_graphs=4, buckets=BUCKETS,
+                               compile=CompileOptions(traces_dir=tmp_path / "traces"))
+        sampler.warmup()
+        return sampler
+
+    def velocity(sampler):
+        requests = (_request(30, 0.6, 7, guidance=2.0), _request(31, 0.3, 4, ref_frames=9, guidance=2.0))
+        plans = [sampler.plan(r) for r in requests]
+        with torch.inference_mode():
+            ctx, noise, _ = sampler._batch_context(plans, plans[0].schedule.guided)
+            return sampler.graphs.velocity(ctx, noise.shape)(noise, plans[0].schedule.grid[1]).clone()
+
+    torch._dynamo.reset()
+    first = started()
+    blocks = first.graphs.blocks
+    assert blocks.double.traced >= 1 and blocks.double.loaded == 0 and first.graphs.compile_failures == 0
+    expected = velocity(first)
+    torch._dynamo.reset()  # a new process, as far as Dynamo knows
+    graphs_before = counters["stats"]["unique_graphs"]
+    restarted = started()
+    blocks = restarted.graphs.blocks
+    assert counters["stats"]["unique_graphs"] == graphs_before, "the restart traced"
+    assert (blocks.double.traced, blocks.single.traced) == (0, 0) and blocks.double.loaded >= 1
+    assert restarted.graphs.compile_failures == 0
+    assert torch.equal(velocity(restarted), expected)

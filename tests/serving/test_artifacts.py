@@ -97,3 +97,21 @@ def test_the_saved_decode_is_named_by_the_decoder_options_and_architecture_its_g
     assert precompiled_decode_path(tmp_path, checkpoint, {**fp16, "channels_last": False}) != path
     (checkpoint / "config.json").write_text('{"vae": {"latent_dim": 32}}')
     assert precompiled_decode_path(tmp_path, checkpoint, fp16) != path
+
+
+def test_the_dits_saved_block_traces_are_foldered_by_the_options_and_architecture_their_guards_do_not_check(
+        tmp_path):
+    from auk_triton.diffusion import CompileOptions
+    from auk_triton.serving.artifacts import precompiled_blocks_dir
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"dit": {"dim": 64}}')
+    bf16 = {"dtype": "bfloat16", "compile": CompileOptions()}
+    folder = precompiled_blocks_dir(tmp_path, checkpoint, bf16)
+    assert folder.parent == tmp_path and folder.name.startswith("dit-blocks-")
+    assert precompiled_blocks_dir(tmp_path, checkpoint, dict(bf16)) == folder
+    assert precompiled_blocks_dir(tmp_path, checkpoint, {**bf16, "dtype": "float32"}) != folder
+    assert precompiled_blocks_dir(tmp_path, checkpoint, {**bf16, "compile": CompileOptions(dynamic=False)}) != folder
+    (checkpoint / "config.json").write_text('{"dit": {"dim": 32}}')
+    assert precompiled_blocks_dir(tmp_path, checkpoint, bf16) != folder
