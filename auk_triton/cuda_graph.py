@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
@@ -18,6 +19,10 @@ Output = TypeVar("Output")
 # The interpreter's switch interval while graphs build beside the serving thread: it
 # bounds how long that thread waits for the GIL (the default is 5 ms).
 BUILD_SWITCH_INTERVAL_S = 0.0005
+# A builder given a condition to begin on (the whole server READY) asks it this often, and
+# begins anyway after waiting this long: longer than any model set takes to load cold.
+BUILD_BEGIN_POLL_S = 0.5
+BUILD_BEGIN_WAIT_S = 900.0
 
 
 @contextmanager
@@ -74,6 +79,31 @@ def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
 Item = TypeVar("Item", bound=Hashable)
 
 
+def wait_for(condition: Callable[[], bool], stop: threading.Event, timeout_s: float = BUILD_BEGIN_WAIT_S,
+             poll_s: float = BUILD_BEGIN_POLL_S) -> bool | None:
+    """Ask `condition` every `poll_s` until it holds (True) or `timeout_s` has passed (False);
+    None once `stop` is set."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        stop.wait(poll_s)
+    return None
+
+
+@dataclass
+class BuildReport:
+    """What a builder did, for the model's log."""
+
+    seconds: float  # building, from the first item on
+    built: int
+    failed: int
+    waited_s: float = 0.0  # before the first item, for its condition to begin
+    condition_held: bool | None = None  # whether it held when building began (None: no condition)
+
+
 class GraphBuilder:
     """Builds graphs on a thread of its own after the service is ready, beside the thread
     that serves requests; that thread takes each result over (`take`) when it next looks,
@@ -87,17 +117,24 @@ class GraphBuilder:
 
     def start(self, items: Sequence[Item], build: Callable[[Item], object], device,
               describe: Callable[[Item], str] = str,
-              on_done: Callable[[float, int, int], None] | None = None) -> None:
+              on_done: Callable[[BuildReport], None] | None = None,
+              begin_when: Callable[[], bool] | None = None) -> None:
         """Build each item in order, with `build(item)` on a stream of `device`'s own (under
         no_grad: a build that serves under inference mode enters it), each result (None where
-        it failed, logged) queued for `take`. `on_done(seconds, built, failed)` is
-        called on the builder's thread at the end (not when stopped)."""
+        it failed, logged) queued for `take`. With `begin_when`, first wait until it holds
+        (`wait_for`). `on_done(report)` is called on the builder's thread at the end (not
+        when stopped)."""
         if not items:
             return
         device = torch.device(device)
         index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
 
         def build_all():
+            waited, held = time.perf_counter(), None
+            if begin_when is not None:
+                held = wait_for(begin_when, self._stop)
+                if held is None:
+                    return
             began, built = time.perf_counter(), 0
             try:
                 torch.cuda.set_device(index)
@@ -118,7 +155,7 @@ class GraphBuilder:
             except Exception as err:  # the rest stay pending: their work keeps another tier
                 logger.error("%s stopped: %s: %s", self.name, type(err).__name__, err)
             if on_done is not None and not self._stop.is_set():
-                on_done(time.perf_counter() - began, built, len(items) - built)
+                on_done(BuildReport(time.perf_counter() - began, built, len(items) - built, began - waited, held))
 
         self._thread = threading.Thread(target=build_all, name=self.name, daemon=True)
         self._thread.start()

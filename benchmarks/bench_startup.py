@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from auk_triton.front_door.prepare import is_ready
+from auk_triton.serving.readiness import server_is_ready
 from common import MODEL, free_port, heading, percentile, say, startup_lines, synthetic_checkpoint
 
 READY_TIMEOUT_S = 900.0
@@ -73,7 +73,7 @@ def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0, pipeline: b
         process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5"],
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while not is_ready(ports["HTTP"]):
+            while not server_is_ready(ports["HTTP"]):
                 if process.poll() is not None:
                     raise RuntimeError(f"the launcher exited with {process.returncode}; see {log_path}")
                 if time.perf_counter() - began > READY_TIMEOUT_S:

@@ -67,7 +67,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..cuda_graph import GraphBuilder, capture, short_switch_interval
+from ..cuda_graph import BuildReport, GraphBuilder, capture, short_switch_interval
 from .precompiled import precompiled_decode
 from .tiling import plan_tiles
 from .vae import AuKVAE
@@ -330,14 +330,17 @@ class AuKVAEDecodeGraph:
                 self.compile_shapes[-1]}
 
     def start_deferred(self, pending: Sequence[PendingGraph], device,
-                       on_done: Callable[[float, int, int], None] | None = None) -> None:
+                       on_done: Callable[[BuildReport], None] | None = None,
+                       begin_when: Callable[[], bool] | None = None) -> None:
         """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
-        serving thread, which takes each graph over at its next decode. `on_done(seconds,
-        built, failed)` is called on the builder's thread at the end (not when stopped)."""
+        serving thread, which takes each graph over at its next decode; with `begin_when`, once
+        it holds. `on_done(report)` is called on the builder's thread at the end (not when
+        stopped)."""
         self._pending.update(pending)
         self._builder.start(
             pending, lambda item: self._build(item, beside_serving=True), device,
             describe=lambda item: f"the graph of {item.rows} rows of {item.frames} frames", on_done=on_done,
+            begin_when=begin_when,
         )
 
     def stop_deferred(self, timeout_s: float = 30.0) -> None:

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from ..cuda_graph import GraphBuilder
+from ..cuda_graph import BuildReport, GraphBuilder
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
 from .step_graph import DiTGraphCache
@@ -567,10 +567,12 @@ class AuKDiTSampler:
                 for ref in (0, *self.buckets.ref) for guided in self._guided_modes()}
 
     def start_deferred(self, pending: list[tuple[RunShape, bool]],
-                       on_done: Callable[[float, int, int], None] | None = None) -> None:
+                       on_done: Callable[[BuildReport], None] | None = None,
+                       begin_when: Callable[[], bool] | None = None) -> None:
         """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
-        serving thread, which takes each bucket's graphs over at its next run. `on_done(seconds,
-        built, failed)` is called on the builder's thread at the end (not when stopped)."""
+        serving thread, which takes each bucket's graphs over at its next run; with
+        `begin_when`, once it holds. `on_done(report)` is called on the builder's thread at the
+        end (not when stopped)."""
         self._pending.update(pending)
 
         def build(item):
@@ -578,7 +580,7 @@ class AuKDiTSampler:
                 return self.graphs.bucket_graphs(*self._warmup_inputs(*item), beside_serving=True,
                                                  stopping=lambda: self._builder.stopping)
 
-        self._builder.start(pending, build, self.device, on_done=on_done,
+        self._builder.start(pending, build, self.device, on_done=on_done, begin_when=begin_when,
                             describe=lambda item: f"the graphs of bucket {item[0]} ({'' if item[1] else 'un'}guided)")
 
     def stop_deferred(self, timeout_s: float = 30.0) -> None:

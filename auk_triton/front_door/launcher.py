@@ -161,6 +161,7 @@ def server_command(
             ports[kind] = settings.port(env, kind)
     repository = served_repository(model_repository, env)
     env["AUK_CACHE_DIR"] = str(config.environment_cache_dir(env))  # the models resolve it alike
+    env[config.SERVER_HTTP_PORT_VARIABLE] = str(ports["http"])  # where their builders ask for READY
     # A relative AUK_CHECKPOINT means the directory the server is started from, for every model.
     if env.get("AUK_CHECKPOINT", "").strip():
         env["AUK_CHECKPOINT"] = os.path.abspath(env["AUK_CHECKPOINT"].strip())

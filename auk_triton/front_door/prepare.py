@@ -20,8 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+
+from auk_triton.serving.readiness import server_is_ready
 
 from . import launcher, settings
 
@@ -34,20 +34,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def is_ready(http_port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def wait_ready(process: subprocess.Popen, http_port: int, timeout_s: float) -> bool:
     """Poll readiness with a new connection each time (as a probe does) until READY, the server's
     exit or `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
-        if is_ready(http_port):
+        if server_is_ready(http_port):
             return True
         time.sleep(0.5)
     return False

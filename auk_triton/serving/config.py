@@ -1,6 +1,7 @@
 """Every setting the Triton models read, each with its one default: their config
 parameters (read once at load) and the AUK_* variables they read (AUK_CHECKPOINT,
-AUK_CACHE_DIR, AUK_PRESET). The launcher's and the front door's own settings are in
+AUK_CACHE_DIR, AUK_ARTIFACTS_DIR, AUK_PRESET, and AUK_SERVER_HTTP_PORT, which the launcher
+sets). The launcher's and the front door's own settings are in
 auk_triton/front_door/settings.py.
 
 A parameter left out of a config.pbtxt, or given as "", takes the default below.
@@ -402,6 +403,20 @@ def environment_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """AUK_CACHE_DIR, else DEFAULT_CACHE_DIR: the backend directory, synthetic checkpoints and
     compile caches. The launcher and the models read it alike."""
     return Path(environ.get("AUK_CACHE_DIR") or DEFAULT_CACHE_DIR).absolute()
+
+
+SERVER_HTTP_PORT_VARIABLE = "AUK_SERVER_HTTP_PORT"  # set by the launcher, not by hand
+
+
+def server_http_port(environ: Mapping[str, str] = os.environ) -> int | None:
+    """AUK_SERVER_HTTP_PORT: tritonserver's own HTTP port, which the launcher gives the models so
+    that their graph builders can ask whether the whole server is READY; None when unset."""
+    value = environ.get(SERVER_HTTP_PORT_VARIABLE, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"{SERVER_HTTP_PORT_VARIABLE} is {value!r}; it must be a port number")
+    return int(value)
 
 
 def synthetic_preset(environ: Mapping[str, str] = os.environ) -> str:

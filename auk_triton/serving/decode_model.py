@@ -28,11 +28,13 @@ import triton_python_backend_utils as pb_utils
 
 from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
 from auk_triton.codec.pcm16 import to_pcm16
+from auk_triton.cuda_graph import BuildReport
 
 from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_decode_path, use_artifacts
 from .config import CALL_TOKEN_PARAMETER, CANCEL_CALL_PARAMETER, GPU_DECODE_PRECISION, DecodeSettings
 from .metrics import DecodeMetrics
+from .readiness import begun_note, server_ready_condition
 from .requests import require_finite, validate_latents
 from .scheduler import Iteration, Job, TileScheduler
 from .triton_common import (
@@ -190,12 +192,15 @@ class TritonPythonModel:
             f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s"
             f"{f'; {len(deferred)} graphs to build after READY' if deferred else ''})",
         )
-        self.graph.start_deferred(deferred, self.device, on_done=self._deferred_built)
+        # Built once the whole server is READY: beside another model's warm-up they slow it.
+        self.graph.start_deferred(deferred, self.device, on_done=self._deferred_built,
+                                  begin_when=server_ready_condition())
 
-    def _deferred_built(self, seconds: float, built: int, failed: int) -> None:
-        log("warn" if failed else "info",
-            f"{self.name}: {built} deferred graphs built in {seconds:.1f} s after READY"
-            f"{f', {failed} FAILED (their windows stay on another tier)' if failed else ''}")
+    def _deferred_built(self, report: BuildReport) -> None:
+        log("warn" if report.failed else "info",
+            f"{self.name}: {report.built} deferred graphs built in {report.seconds:.1f} s after READY"
+            f"{begun_note(report.waited_s, report.condition_held)}"
+            f"{f', {report.failed} FAILED (their windows stay on another tier)' if report.failed else ''}")
 
     def _decoder_options(self) -> dict:
         """`AuKVAE.configure_decoder`'s options for this device: on a GPU the precision, the fused

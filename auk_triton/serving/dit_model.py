@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb_utils
 
+from auk_triton.cuda_graph import BuildReport
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 from auk_triton.diffusion.compiled import INDUCTOR_OPTIONS, traces_note
 
@@ -47,6 +48,7 @@ from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_blocks_dir, use_artifacts
 from .config import DiTSettings
 from .metrics import DiTMetrics
+from .readiness import begun_note, server_ready_condition
 from .errors import RequestCancelled
 from .requests import dit_plan, one_row, throttled_check
 from .triton_common import failure_response, freeze_heap, log
@@ -95,7 +97,8 @@ class TritonPythonModel:
         self.metrics = DiTMetrics({"model": self.name, "version": str(args["model_version"])})
         deferred = self._warm_up(compiled)
         freeze_heap()
-        self.sampler.start_deferred(deferred, on_done=self._deferred_built)
+        # Built once the whole server is READY: beside another model's warm-up they slow it.
+        self.sampler.start_deferred(deferred, on_done=self._deferred_built, begin_when=server_ready_condition())
 
     def _warm_up(self, compiled: bool) -> list:
         """Capture the buckets' step graphs (compiling the step first, when on) before READY:
@@ -123,10 +126,11 @@ class TritonPythonModel:
             f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}{later}")
         return deferred
 
-    def _deferred_built(self, seconds: float, built: int, failed: int) -> None:
-        log("warn" if failed else "info",
-            f"{self.name}: {built} deferred buckets captured in {seconds:.1f} s after READY"
-            f"{f', {failed} FAILED (their runs stay on a larger bucket)' if failed else ''}")
+    def _deferred_built(self, report: BuildReport) -> None:
+        log("warn" if report.failed else "info",
+            f"{self.name}: {report.built} deferred buckets captured in {report.seconds:.1f} s after READY"
+            f"{begun_note(report.waited_s, report.condition_held)}"
+            f"{f', {report.failed} FAILED (their runs stay on a larger bucket)' if report.failed else ''}")
 
     def execute(self, requests):
         """Plan every request, sample the plans in runs, send each run's responses as it ends.

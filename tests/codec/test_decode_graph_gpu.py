@@ -197,7 +197,7 @@ def test_graphs_built_after_ready_leave_requests_served_by_another_tier_meanwhil
         assert graph.last_mode == "compiled", "rows one at a time while their batched graph is pending"
         assert graph.pending_fallbacks == 1 + 2
         done = threading.Event()
-        graph.start_deferred(pending, "cuda", on_done=lambda seconds, built, failed: done.set())
+        graph.start_deferred(pending, "cuda", on_done=lambda report: done.set())
         served, deadline = 0, time.monotonic() + 600
         while not done.is_set() and time.monotonic() < deadline:  # beside the builder: what is built so far
             check()

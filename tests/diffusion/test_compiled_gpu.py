@@ -107,7 +107,7 @@ def test_buckets_built_after_ready_leave_their_runs_to_a_larger_bucket_meanwhile
     requests = [_request(20, 0.5, 4, guidance=0.0), _request(21, 0.3, 6, ref_frames=10, guidance=2.0)]
     expected = [eager.generate(r) for r in requests]
     done = threading.Event()
-    sampler.start_deferred(pending, on_done=lambda seconds, built, failed: done.set())
+    sampler.start_deferred(pending, on_done=lambda report: done.set())
     served_meanwhile, deadline = 0, time.monotonic() + 120
     try:
         while not done.is_set() and time.monotonic() < deadline:  # served beside the builder

@@ -31,6 +31,7 @@ def test_the_launcher_builds_its_backend_directory_and_puts_this_python_first_on
     assert f"/{sys.version_info.major}.{sys.version_info.minor}/" in os.readlink(backend / "triton_python_backend_stub")
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     assert env["AUK_CACHE_DIR"] == str(tmp_path)
+    assert env["AUK_SERVER_HTTP_PORT"] == "8000", "where the models' graph builders ask for READY"
 
 
 def test_a_port_that_is_not_a_number_fails_naming_its_variable(tmp_path):
