@@ -56,12 +56,13 @@ def serve_after_ready(grpc_port: int, seconds: float, pipeline: bool) -> list[tu
 
 
 def report_served(served: list[tuple[float, float]], window_s: float = 10.0) -> None:
-    """First audio per `window_s` since READY: requests, p50 and the slowest."""
+    """First audio per `window_s` since READY: requests, p50, p99 and the slowest."""
     for start in range(0, int(max(at for at, _ in served)) + 1, int(window_s)):
         firsts = [ms for at, ms in served if start <= at < start + window_s]
         if firsts:
             say(f"  {start:4d}-{start + window_s:g} s after READY: {len(firsts)} requests, first audio "
-                f"p50 {percentile(firsts, 50):.1f} ms, slowest {max(firsts):.1f} ms")
+                f"p50 {percentile(firsts, 50):.1f} ms, p99 {percentile(firsts, 99):.1f} ms, "
+                f"slowest {max(firsts):.1f} ms")
 
 
 def one_start(env: dict, log_path: Path, serve_seconds: float = 0.0, pipeline: bool = False) -> float:
