@@ -21,6 +21,7 @@ traced on every start, and the log says why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -53,7 +54,7 @@ class PrecompiledFunction:
         self._traces: list = []
         self._lock = threading.Lock()  # the warm-up's and the deferred builder's threads both call
         self.loaded = self.traced = 0
-        self.refused: list[str] = []  # files that could not be loaded, each with why
+        self.refused: list[str] = []  # saved traces not used (not loaded, guards that raised), each with why
         self.unsaved: str | None = None  # why a trace could not be saved (a read-only folder)
         self.failed: str | None = None  # why the ahead-of-time trace failed: torch.compile serves
         self._compiled: Callable | None = None  # that torch.compile, made on the failure
@@ -63,27 +64,42 @@ class PrecompiledFunction:
                     self._traces.append(torch.compiler.load_compiled_function(file))
                 self.loaded += 1
             except Exception as err:  # another torch or Python, a broken or foreign file
-                self.refused.append(f"{path.name} ({type(err).__name__}: {err})")
+                self.refused.append(f"{path.name}, removed ({type(err).__name__}: {err})")
                 path.unlink(missing_ok=True)
 
     def __call__(self, *args):
-        for trace in self._traces:
-            if trace.guard_check(*args):
-                return trace(*args)
-        with self._lock:
-            trace = next((t for t in self._traces if t.guard_check(*args)), None)  # traced meanwhile
-            if trace is None and self._compiled is None:
-                try:
-                    trace = trace_ahead(self.fn, args, self.compile_kw)
-                except Exception as err:
-                    self.failed = f"{type(err).__name__}: {err}"
-                    log.warning("%s: the ahead-of-time trace failed, torch.compile serves: %s", self.name, self.failed)
-                    self._compiled = torch.compile(self.fn, **self.compile_kw)
-                else:
-                    self.traced += 1
-                    self._save(trace)
-                    self._traces.append(trace)
-        return (trace or self._compiled)(*args)
+        trace = self._accepting(args)
+        if trace is None:
+            with self._lock:
+                trace = self._accepting(args) or self._trace(args)  # the first: traced meanwhile
+        return trace(*args)
+
+    def _accepting(self, args: tuple) -> Callable | None:
+        """The first trace whose guards accept `args`, or None."""
+        for trace in list(self._traces):
+            try:
+                if trace.guard_check(*args):
+                    return trace
+            except Exception as err:  # guards that cannot be checked here: that trace is dropped
+                self._traces.remove(trace)
+                self.refused.append(f"a trace whose guards raised, dropped ({type(err).__name__}: {err})")
+        return None
+
+    def _trace(self, args: tuple) -> Callable:
+        """A new trace for `args`, saved; torch.compile once the ahead-of-time trace has failed."""
+        if self._compiled is None:
+            try:
+                trace = trace_ahead(self.fn, args, self.compile_kw)
+            except Exception as err:
+                self.failed = f"{type(err).__name__}: {err}"
+                log.warning("%s: the ahead-of-time trace failed, torch.compile serves: %s", self.name, self.failed)
+                self._compiled = torch.compile(self.fn, **self.compile_kw)
+            else:
+                self.traced += 1
+                self._save(trace)
+                self._traces.append(trace)
+                return trace
+        return self._compiled
 
     def _save(self, trace) -> None:
         path = self.folder / f"{self.name}-{uuid.uuid4().hex[:16]}{SUFFIX}"  # unique among replicas and starts
@@ -92,15 +108,17 @@ class PrecompiledFunction:
             self.folder.mkdir(parents=True, exist_ok=True)
             trace.save_compiled_function(str(scratch))
             os.replace(scratch, path)  # whole or not at all, for replicas sharing the folder
-        except OSError as err:  # a read-only folder: this start still serves
-            self.unsaved = str(err)
+        except Exception as err:  # a read-only folder, a trace that cannot be written: it still serves here
+            with contextlib.suppress(OSError):
+                scratch.unlink(missing_ok=True)
+            self.unsaved = f"{type(err).__name__}: {err}"
             log.warning("%s: a trace not saved to %s: %s", self.name, self.folder, err)
 
     def note(self) -> str:
         """What this start loaded and traced, for the log."""
         text = f"{self.name}: {self.loaded} saved traces loaded, {self.traced} traced"
         if self.refused:
-            text += f"; refused and removed: {', '.join(self.refused)}"
+            text += f"; refused: {', '.join(self.refused)}"
         if self.unsaved:
             text += f"; not saved ({self.unsaved})"
         if self.failed:

@@ -86,20 +86,45 @@ def test_a_file_that_cannot_be_loaded_is_refused_with_the_reason_removed_and_its
     (tmp_path / f"other-1{precompiled.SUFFIX}").write_text("2")  # another function's: not read
     function = PrecompiledFunction(add, tmp_path, {})
     assert function.loaded == 0 and len(function.refused) == 1
-    assert function.note().startswith(f"add: 0 saved traces loaded, 0 traced; refused and removed: "
-                                      f"add-broken{precompiled.SUFFIX} (ValueError: ")
+    assert function.note().startswith(f"add: 0 saved traces loaded, 0 traced; refused: "
+                                      f"add-broken{precompiled.SUFFIX}, removed (ValueError: ")
     assert not (tmp_path / f"add-broken{precompiled.SUFFIX}").exists()
     function(torch.ones(2, 3), torch.ones(2, 3))
     assert traced == [2] and function.traced == 1
 
 
-def test_a_trace_that_cannot_be_saved_still_serves_and_the_note_says_why(tmp_path, traced):
-    blocked = tmp_path / "file"
-    blocked.write_text("a file where the folder would be")
-    function = PrecompiledFunction(add, blocked / "traces", {})
+def test_a_saved_trace_whose_guards_raise_is_dropped_and_its_calls_traced_anew(tmp_path, traced, monkeypatch):
+    class Raising(StandInTrace):
+        def guard_check(self, x, y):
+            raise KeyError("a global the guards look up")
+
+    (tmp_path / f"add-1{precompiled.SUFFIX}").write_text("2")
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda file: Raising(2))
+    function = PrecompiledFunction(add, tmp_path, {})
     assert torch.equal(function(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
-    assert function.traced == 1 and function.unsaved is not None
-    assert "; not saved (" in function.note()
+    function(torch.ones(2), torch.ones(2))
+    assert function.loaded == 1 and traced == [2], "dropped once, traced once"
+    assert "; refused: a trace whose guards raised, dropped (KeyError: " in function.note()
+
+
+@pytest.mark.parametrize("blocked", ["a read-only folder", "a trace that cannot be written"])
+def test_a_trace_that_cannot_be_saved_still_serves_and_the_note_says_why(tmp_path, traced, monkeypatch, blocked):
+    folder = tmp_path / "traces"
+    if blocked == "a read-only folder":
+        folder = tmp_path / "file" / "traces"
+        (tmp_path / "file").write_text("a file where the folder would be")
+    else:
+        def refuse(self, path):
+            with open(path, "w") as file:
+                file.write("half")
+            raise TypeError("cannot pickle a guard's object")
+
+        monkeypatch.setattr(StandInTrace, "save_compiled_function", refuse)
+    function = PrecompiledFunction(add, folder, {})
+    assert torch.equal(function(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
+    function(torch.ones(2), torch.ones(2))
+    assert function.traced == 1 and "; not saved (" in function.note()
+    assert not folder.exists() or list(folder.iterdir()) == [], "nothing half written left"
 
 
 def test_where_the_ahead_of_time_trace_fails_torch_compile_serves_and_the_note_says_why(
