@@ -11,7 +11,10 @@ inputs, each captured as a CUDA graph and timed by its replays:
   time (61 linears per step), as before the modulation table;
 - `eager, table`: the step reading its modulation from the run's table;
 - `compiled, table`: the same through the compiled blocks (compiled.py,
-  `--static` for a compilation per shape instead of dynamic shapes).
+  `--static` for a compilation per shape instead of dynamic shapes);
+- with `--fp8`, `compiled, table, FP8 linears`: the compiled step of a copy of the
+  model whose token linears are FP8 (fp8.py, the `fp8_linears` option), its velocity
+  against the same eager bf16 step.
 
 Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
 work by torch's FlopCounterMode over that time), the relative L2 of its velocity
@@ -19,8 +22,8 @@ against the eager bf16 step's, and what building it took (compile and capture;
 a compiled step's first shape pays the compilation, later shapes what Dynamo
 recompiles for them). Then one request's whole flash run (4 unguided steps) and
 whole base run (32 guided steps) as auk_dit serves them on a GPU (its bucket,
-compiled and graphed) against the same runs stepped eagerly: the relative L2 of
-the latents.
+compiled and graphed; with `--fp8` also with FP8 linears) against the same runs
+stepped eagerly in bf16: the relative L2 of the latents.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py            # H200: 500 frames + 64 tokens, batch 1 and 16
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import gc
 import statistics
 import sys
@@ -61,6 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.fp8 import check_fp8_support, use_fp8_linears
 from auk_triton.diffusion.buckets import ShapeBuckets
 from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request, euler_integrate
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
@@ -68,6 +73,7 @@ from auk_triton.serving.config import DiTSettings, use_compile_cache
 from common import compile_time_breakdown, heading, median_ms, rel_l2, say
 
 PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
+FP8_PATH = "compiled, table, FP8 linears"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -92,8 +98,9 @@ def step_inputs(model, batch: int, frames: int, tokens: int, masked: bool, devic
     return x, ctx, t, table
 
 
-def step_functions(model, x, ctx, t, table, blocks, device, dtype):
-    """The three steps, each a function of static buffers (what a graph captures)."""
+def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=None):
+    """The three steps (and the FP8 model's compiled one), each a function of static buffers
+    (what a graph captures)."""
     x = x.clone()
     t_device = t.to(device)
     mod = table.lookup(t).clone()
@@ -110,7 +117,14 @@ def step_functions(model, x, ctx, t, table, blocks, device, dtype):
         with autocast(device, dtype):
             return model.velocity(x, mod, ctx, blocks)
 
-    return dict(zip(PATHS, (per_step, eager, compiled)))
+    def compiled_fp8():
+        with autocast(device, dtype):
+            return fp8_model.velocity(x, mod, ctx, blocks)
+
+    steps = dict(zip(PATHS, (per_step, eager, compiled)))
+    if fp8_model is not None:
+        steps[FP8_PATH] = compiled_fp8
+    return steps
 
 
 def step_flops(fn) -> float:
@@ -213,8 +227,10 @@ def sampler_config(model, variant: str = "base") -> dict:
             "defaults": DEFAULTS}
 
 
-def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileOptions) -> dict[str, float]:
-    """Relative L2 of one request's latents, served (its bucket compiled and graphed) against eager."""
+def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileOptions,
+               fp8: bool = False) -> dict[str, float]:
+    """Relative L2 of one request's latents, served (its bucket compiled and graphed; with `fp8`
+    also with FP8 linears) against eager."""
     config = sampler_config(model)
     eager = AuKDiTSampler(model, config, device, dtype)
     text = torch.randn(tokens, model.text_hidden_dim, generator=torch.Generator().manual_seed(1))
@@ -223,10 +239,15 @@ def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileO
     requests = {name: Request(text, frames / eager.frame_rate, 7, **knobs) for name, knobs in recipes.items()}
     target = eager.plan(requests["flash (4 steps)"]).frames  # frames, as the duration's ceil makes them
     bucket = ShapeBuckets((tokens,), (target,), (), max_tokens=2 * (tokens + target), max_requests=1)
-    served = AuKDiTSampler(model, config, device, dtype, buckets=bucket, compile=options)
-    served.warmup()
-    results = {name: rel_l2(served.generate(r), eager.generate(r)) for name, r in requests.items()}
-    assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
+    expected = {name: eager.generate(r) for name, r in requests.items()}
+    results = {}
+    for linears in ("bf16", "FP8") if fp8 else ("bf16",):
+        served = AuKDiTSampler(copy.deepcopy(model) if linears == "FP8" else model, config, device, dtype,
+                               buckets=bucket, compile=options, fp8_linears=linears == "FP8")
+        served.warmup()
+        for name, r in requests.items():
+            results[f"{name}, {linears} linears"] = rel_l2(served.generate(r), expected[name])
+        assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
     return results
 
 
@@ -333,6 +354,8 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                         help="torch._inductor.config options for the compiled step")
     parser.add_argument("--no-whole-runs", action="store_true", help="skip the whole flash and base runs")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also the compiled step and the whole runs with the token linears in FP8")
     parser.add_argument("--request", action="store_true",
                         help="only where one flash request's time goes in the sampler, phase by phase (GPU)")
     args = parser.parse_args()
@@ -370,15 +393,20 @@ def main() -> None:
         say(f"Inductor options: {' '.join(args.inductor)}")
     blocks = compiled_blocks(options)
     profiles = {}
+    fp8_model = None
+    if args.fp8:
+        check_fp8_support(device, dtype)
+        fp8_model = copy.deepcopy(model)
+        say(f"FP8 linears: {use_fp8_linears(fp8_model, dtype)} of the blocks' linears in a copy of the model")
 
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
             x, ctx, t, table = step_inputs(model, batch, frames, tokens, not args.unmasked, device, dtype)
-            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype)
+            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model)
             # The compiled step does the eager step's work; the per-step modulation adds its linears.
             work = step_flops(fns[PATHS[1]])
-            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work}
+            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work, FP8_PATH: work}
             say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
                 f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
             results = {name: measure(fn, device, iters) for name, fn in fns.items()}
@@ -387,22 +415,23 @@ def main() -> None:
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
             if args.profile and device.type == "cuda":
-                profiles[batch] = kernel_profile(fns[PATHS[2]])
+                for name in (PATHS[2], FP8_PATH) if fp8_model is not None else (PATHS[2],):
+                    profiles[(batch, name)] = kernel_profile(fns[name])
 
     say()
     say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")
     say("| --- | --- | --- | --- | --- | --- |")
     for batch, name, ms, tflops, rel, built in rows:
         say(f"| {batch} | {name} | {ms:.2f} | {tflops:.3g} | {rel:.2e} | {built:.1f} |")
-    for batch, lines in profiles.items():
+    for (batch, name), lines in profiles.items():
         say()
-        say(f"The compiled step at batch {batch}, by torch's profiler:")
+        say(f"The {name} step at batch {batch}, by torch's profiler:")
         for line in lines:
             say(line)
     if device.type != "cuda" or args.no_whole_runs:
         return
     say()
-    for name, rel in whole_runs(model, frames, tokens, device, dtype, options).items():
+    for name, rel in whole_runs(model, frames, tokens, device, dtype, options, args.fp8).items():
         say(f"whole {name} run, served (compiled, graphed, its bucket) vs eager: relative L2 {rel:.2e} of the latents")
     say(compile_time_breakdown(8))
 

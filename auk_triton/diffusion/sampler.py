@@ -40,6 +40,7 @@ import torch
 from ..cuda_graph import BuildReport, GraphBuilder
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
+from .fp8 import check_fp8_support, use_fp8_linears
 from .step_graph import DiTGraphCache
 from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, ModulationTable, load_transformer, read_config
 
@@ -262,7 +263,12 @@ class AuKDiTSampler:
         max_graphs: int = 0,
         buckets: ShapeBuckets | None = None,
         compile: CompileOptions | None = None,
+        fp8_linears: bool = False,
     ):
+        # The blocks' token linears in FP8 (fp8.py), in place: an option, off by default.
+        if fp8_linears:
+            check_fp8_support(device, dtype)
+        self.fp8_linear_count = use_fp8_linears(transformer, dtype) if fp8_linears else 0
         self.model = transformer
         self.max_frames = max_frames  # a serving limit on reference + target, below MAX_LATENT_FRAMES
         self.device = torch.device(device)
@@ -620,7 +626,7 @@ class AuKDiTSampler:
 def load_sampler(checkpoint_dir, device="cpu", dtype=None, **kwargs) -> AuKDiTSampler:
     """The sampler for a checkpoint directory; bf16 weights on CUDA and fp32 on the CPU unless told.
 
-    kwargs go to AuKDiTSampler (max_frames, max_graphs, buckets, compile).
+    kwargs go to AuKDiTSampler (max_frames, max_graphs, buckets, compile, fp8_linears).
     """
     device = torch.device(device)
     if dtype is None:

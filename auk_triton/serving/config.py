@@ -282,6 +282,10 @@ class DiTSettings:
     # before each bucket's graphs are captured at load; the start-up artifacts keep the
     # generated code and the blocks' traces across restarts. A CPU steps eagerly whatever this says.
     compile_step: bool = True
+    # The blocks' token linears in FP8 (diffusion/fp8.py): e4m3 weights scaled per output
+    # channel, inputs per row, on FP8 tensor cores (compute capability 8.9+, the DiT in bf16).
+    # Off by default: its quality against bf16 is measured, not a given.
+    fp8_linears: bool = False
     # GPU, with CUDA graphs: each run is padded up to the smallest of these sizes that holds its
     # longest prompt (tokens), target and reference (frames), and every bucket's graphs (one per
     # request count it holds) are captured at load (before READY, or after: defer_graphs). 10 s of audio with up to 64
@@ -321,6 +325,7 @@ class DiTSettings:
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 0),
             max_batch_requests=int_parameter(params, "max_batch_requests", default.max_batch_requests, 1),
             compile_step=bool_parameter(params, "compile_step", default.compile_step),
+            fp8_linears=bool_parameter(params, "fp8_linears", default.fp8_linears),
             text_buckets=list_parameter(params, "text_buckets", default.text_buckets, "64,256,512"),
             frame_buckets=list_parameter(params, "frame_buckets", default.frame_buckets, "256,512,1024,2048"),
             ref_buckets=list_parameter(params, "ref_buckets", default.ref_buckets, "512,2048"),

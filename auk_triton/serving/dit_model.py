@@ -76,21 +76,23 @@ class TritonPythonModel:
             artifacts = use_artifacts(settings.artifacts_dir, self.device,
                                       lambda text: log("info", f"{self.name}: {text}"))
             # The blocks' traces are kept beside the compile caches, keyed by what they were traced with.
-            traced_with = {"dtype": settings.dtype, "compile": CompileOptions(), "inductor": INDUCTOR_OPTIONS}
+            traced_with = {"dtype": settings.dtype, "compile": CompileOptions(), "inductor": INDUCTOR_OPTIONS,
+                           "fp8_linears": settings.fp8_linears}
             options = CompileOptions(traces_dir=precompiled_blocks_dir(artifacts, checkpoint, traced_with))
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(
             checkpoint, self.device, DTYPES[settings.dtype], max_frames=settings.max_frames,
             max_graphs=settings.max_graphs if settings.enable_cuda_graphs else 0,
             buckets=settings.shape_buckets() if graphs else None,
-            compile=options,
+            compile=options, fp8_linears=settings.fp8_linears,
         )
         check_tensor_widths(self.model_config, {
             "PROMPT_EMBEDS": ("text width (dit.text_hidden_dim)", self.sampler.text_dim),
             "REF_LATENTS": ("latent_dim", self.sampler.latent_dim),
             "LATENTS": ("latent_dim", self.sampler.latent_dim),
         })
-        log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}, "
+        fp8 = f", {self.sampler.fp8_linear_count} token linears in FP8" if self.sampler.fp8_linear_count else ""
+        log("info", f"{self.name}: loaded {checkpoint} ({self.sampler.variant}, {self.sampler.dtype}{fp8}, "
                      f"CUDA graphs {'on' if self.sampler.graphs else 'off'}, up to "
                      f"{settings.max_batch_requests} requests a run) on {self.device} "
                      f"in {time.perf_counter() - began:.1f} s")

@@ -27,9 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 
-def shipped_config(model: str) -> dict:
-    """The parameters of a shipped config.pbtxt, in the JSON form Triton hands the model."""
-    text = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+def shipped_config(model: str, name: str = "config.pbtxt") -> dict:
+    """The parameters of a shipped config (`name`: config.pbtxt or configs/gpu.pbtxt), in the
+    JSON form Triton hands the model."""
+    text = (REPO_ROOT / "model_repository" / model / name).read_text()
     pairs = re.findall(r'\{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}', text)
     return {"parameters": {key: {"string_value": value} for key, value in pairs}}
 
@@ -230,3 +231,12 @@ def test_auk_dit_buckets_come_from_its_config_and_none_turns_them_off(tmp_path):
     assert buckets.shape(10, 10, 5) is None, "a reference has no bucket: the run falls back"
     with pytest.raises(ValueError, match="text_buckets is '64,x'"):
         DiTSettings.from_model_config({"parameters": {"text_buckets": {"string_value": "64,x"}}}, tmp_path, environ={})
+
+
+def test_auk_dits_fp8_linears_are_off_as_shipped_and_on_when_asked(tmp_path):
+    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
+        assert DiTSettings.from_model_config(shipped_config("auk_dit", name), tmp_path, environ={}).fp8_linears is False
+    on = {"parameters": {"fp8_linears": {"string_value": "true"}}}
+    assert DiTSettings.from_model_config(on, tmp_path, environ={}).fp8_linears is True
+    with pytest.raises(ValueError, match="fp8_linears is 'e4m3'; use true or false"):
+        DiTSettings.from_model_config({"parameters": {"fp8_linears": {"string_value": "e4m3"}}}, tmp_path, environ={})
