@@ -9,8 +9,9 @@ up), accumulates in fp32 and writes bf16. The AdaLN linears (looked up once per 
 time), the text embedding and the output projection stay as they are.
 
 Numerics: e4m3 keeps 3 mantissa bits, so each operand is rounded to within 1/16 of
-itself (relative) before the fp32 accumulation; a row or channel scale keeps one large
-value from flattening the rest to zero. What that does to the velocity and to whole
+itself (relative) before the fp32 accumulation; with a scale per row and per channel, a
+large value flattens only its own row or channel toward zero, not the whole tensor. What
+that does to the velocity and to whole
 runs is measured against the bf16 step (benchmarks/bench_dit_step.py --fp8), not
 assumed. `reference_forward` is the same arithmetic in plain fp32, the check of the
 fused path.
