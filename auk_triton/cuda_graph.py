@@ -130,7 +130,7 @@ class GraphBuilder:
         index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
 
         def build_all():
-            waited, held = time.perf_counter(), None
+            waiting_since, held = time.perf_counter(), None
             if begin_when is not None:
                 held = wait_for(begin_when, self._stop)
                 if held is None:
@@ -155,7 +155,7 @@ class GraphBuilder:
             except Exception as err:  # the rest stay pending: their work keeps another tier
                 logger.error("%s stopped: %s: %s", self.name, type(err).__name__, err)
             if on_done is not None and not self._stop.is_set():
-                on_done(BuildReport(time.perf_counter() - began, built, len(items) - built, began - waited, held))
+                on_done(BuildReport(time.perf_counter() - began, built, len(items) - built, began - waiting_since, held))
 
         self._thread = threading.Thread(target=build_all, name=self.name, daemon=True)
         self._thread.start()
