@@ -45,6 +45,16 @@ def trace_ahead(fn: Callable, args: tuple, compile_kw: dict):
         return torch.compile(fn, **compile_kw).aot_compile((args, {}))
 
 
+def _refusal(trace, args: tuple) -> str:
+    """The guard of `trace` that refuses `args`, as Dynamo words it (for the log)."""
+    try:
+        f_locals = trace.prepare_f_locals(*args)
+        reason = str(trace._artifacts.guard_manager.check_verbose(f_locals))
+    except Exception as err:  # a stand-in or another torch: no words for it
+        reason = f"unknown ({type(err).__name__})"
+    return reason[:300]
+
+
 class PrecompiledFunction:
     """`fn` through its saved ahead-of-time traces in `folder` (module docstring); call it as `fn`."""
 
@@ -57,7 +67,15 @@ class PrecompiledFunction:
         self.refused: list[str] = []  # saved traces not used (not loaded, guards that raised), each with why
         self.unsaved: str | None = None  # why a trace could not be saved (a read-only folder)
         self.failed: str | None = None  # why the ahead-of-time trace failed: torch.compile serves
+        self.missed: str | None = None  # the first call traced although traces were loaded: the guard that refused it
         self._compiled: Callable | None = None  # that torch.compile, made on the failure
+        self._saved_read = False
+
+    def _read_saved(self) -> None:
+        """Load the folder's traces, on the first call: a loaded trace's guards take the
+        dispatch state (inference mode, autocast) of the thread loading it as their own, so
+        they are made in the calls' state; loaded at construction, they refused every call."""
+        self._saved_read = True
         for path in sorted(self.folder.glob(f"{self.name}-*{SUFFIX}")):
             try:
                 with open(path, "rb") as file:
@@ -68,10 +86,18 @@ class PrecompiledFunction:
                 path.unlink(missing_ok=True)
 
     def __call__(self, *args):
+        if not self._saved_read:
+            with self._lock:
+                if not self._saved_read:
+                    self._read_saved()
         trace = self._accepting(args)
         if trace is None:
             with self._lock:
-                trace = self._accepting(args) or self._trace(args)  # the first: traced meanwhile
+                trace = self._accepting(args)  # traced meanwhile by the other thread
+                if trace is None:
+                    if self.loaded and self.missed is None:
+                        self.missed = _refusal(self._traces[0], args) if self._traces else "all dropped"
+                    trace = self._trace(args)
         return trace(*args)
 
     def _accepting(self, args: tuple) -> Callable | None:
@@ -119,6 +145,8 @@ class PrecompiledFunction:
         text = f"{self.name}: {self.loaded} saved traces loaded, {self.traced} traced"
         if self.refused:
             text += f"; refused: {', '.join(self.refused)}"
+        if self.missed:
+            text += f"; a call none of the saved traces accepted (the first's guard: {self.missed})"
         if self.unsaved:
             text += f"; not saved ({self.unsaved})"
         if self.failed:

@@ -151,7 +151,8 @@ def test_a_restart_loads_the_blocks_saved_traces_traces_nothing_and_gives_the_sa
     graphs_before = counters["stats"]["unique_graphs"]
     restarted = started()
     blocks = restarted.graphs.blocks
-    assert counters["stats"]["unique_graphs"] == graphs_before, "the restart traced"
+    notes = f"{blocks.double.note()}; {blocks.single.note()}"
+    assert counters["stats"]["unique_graphs"] == graphs_before, f"the restart traced: {notes}"
     assert (blocks.double.traced, blocks.single.traced) == (0, 0) and blocks.double.loaded >= 1
     assert restarted.graphs.compile_failures == 0
     assert torch.equal(velocity(restarted), expected)
