@@ -48,11 +48,11 @@ def trace_ahead(fn: Callable, args: tuple, compile_kw: dict):
 def _refusal(trace, args: tuple) -> str:
     """The guard of `trace` that refuses `args`, as Dynamo words it (for the log)."""
     try:
-        f_locals = trace.prepare_f_locals(*args)
-        reason = str(trace._artifacts.guard_manager.check_verbose(f_locals))
+        failed = trace._artifacts.guard_manager.check_verbose(trace.prepare_f_locals(*args))
+        reason = "; ".join(failed.verbose_code_parts) or str(failed)
     except Exception as err:  # a stand-in or another torch: no words for it
         reason = f"unknown ({type(err).__name__})"
-    return reason[:300]
+    return " ".join(reason.split())[:300]  # one line
 
 
 class PrecompiledFunction:

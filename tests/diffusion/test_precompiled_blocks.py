@@ -198,3 +198,20 @@ def test_the_small_dits_blocks_traced_ahead_of_time_give_the_eager_step_and_a_re
     for e, t, a in zip(eager, traced, again):
         torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-5)  # aot_eager runs the eager ops, reordered
         assert torch.equal(a, t), "the loaded traces differ from the traced ones"
+
+
+def test_a_call_no_loaded_trace_accepts_is_traced_and_the_log_names_the_guard_that_refused_it(
+        tmp_path, small_dit):
+    options = CompileOptions(backend="aot_eager", traces_dir=tmp_path / "traces")
+    torch._dynamo.reset()
+    first = compiled_blocks(options)
+    with torch.inference_mode():
+        small_dit.velocity(*velocity_inputs(small_dit, 2, 4, seed=1), first)  # several rows, a reference
+    torch._dynamo.reset()
+    restarted = compiled_blocks(options)
+    with torch.inference_mode():
+        small_dit.velocity(*velocity_inputs(small_dit, 1, 0, seed=2), restarted)  # one row, none: not saved
+    note = traces_note(restarted)
+    assert restarted.double.loaded == 1 and restarted.double.traced == 1
+    assert "a call none of the saved traces accepted (the first's guard: " in note
+    assert "guard: unknown (" not in note and "\n" not in note, note  # Dynamo's words, on one line
