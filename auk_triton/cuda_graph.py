@@ -6,6 +6,7 @@ import queue
 import sys
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator, Sequence, TypeVar
@@ -93,6 +94,34 @@ def wait_for(condition: Callable[[], bool], stop: threading.Event, timeout_s: fl
     return None
 
 
+class BuildQueue:
+    """The items a builder has still to build, in order, where a serving thread may move one to
+    the front (`prefer`): a request that is served by another tier meanwhile asks for its own."""
+
+    def __init__(self, items: Sequence[Item] = ()):
+        self._lock = threading.Lock()
+        self._waiting: OrderedDict = OrderedDict.fromkeys(items)
+        self.preferred = 0  # items moved to the front
+
+    def prefer(self, item: Item) -> bool:
+        """Build `item` next (after the one in progress) if it is still waiting; any thread."""
+        with self._lock:
+            if item not in self._waiting:
+                return False
+            self._waiting.move_to_end(item, last=False)
+            self.preferred += 1
+            return True
+
+    def next(self) -> Item | None:
+        """The item to build now, taken off the queue; None once it is empty."""
+        with self._lock:
+            return self._waiting.popitem(last=False)[0] if self._waiting else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+
 @dataclass
 class BuildReport:
     """What a builder did, for the model's log."""
@@ -102,6 +131,8 @@ class BuildReport:
     failed: int
     waited_s: float = 0.0  # before the first item, for its condition to begin
     condition_held: bool | None = None  # whether it held when building began (None: no condition)
+    preferred: int = 0  # items built ahead of their turn, for a request served meanwhile
+    graphs: int = 0  # in the items built (`count`)
 
 
 class GraphBuilder:
@@ -114,18 +145,22 @@ class GraphBuilder:
         self._built: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._queue = BuildQueue()
 
     def start(self, items: Sequence[Item], build: Callable[[Item], object], device,
               describe: Callable[[Item], str] = str,
               on_done: Callable[[BuildReport], None] | None = None,
-              begin_when: Callable[[], bool] | None = None) -> None:
-        """Build each item in order, with `build(item)` on a stream of `device`'s own (under
-        no_grad: a build that serves under inference mode enters it), each result (None where
-        it failed, logged) queued for `take`. With `begin_when`, first wait until it holds
-        (`wait_for`). `on_done(report)` is called on the builder's thread at the end (not
-        when stopped)."""
+              begin_when: Callable[[], bool] | None = None,
+              count: Callable[[object], int] = lambda result: 1) -> None:
+        """Build each item in order (an item `prefer`red goes first), with `build(item)` on a
+        stream of `device`'s own (under no_grad: a build that serves under inference mode
+        enters it), each result (None where it failed, logged) queued for `take`. With
+        `begin_when`, first wait until it holds (`wait_for`). `on_done(report)` is called on
+        the builder's thread at the end (not when stopped), with the graphs the results hold
+        (`count(result)`: one each by default)."""
         if not items:
             return
+        self._queue = work = BuildQueue(items)
         device = torch.device(device)
         index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the caller's
 
@@ -135,13 +170,13 @@ class GraphBuilder:
                 held = wait_for(begin_when, self._stop)
                 if held is None:
                     return
-            began, built = time.perf_counter(), 0
+            began, built, graphs = time.perf_counter(), 0, 0
             try:
                 torch.cuda.set_device(index)
                 # A stream of its own: the captures' warm-up runs (and cuDNN's timing) order
                 # nothing of the serving thread's behind them.
                 with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()), short_switch_interval():
-                    for item in items:
+                    while (item := work.next()) is not None:
                         if self._stop.is_set():
                             return
                         try:
@@ -151,11 +186,13 @@ class GraphBuilder:
                                            type(err).__name__, err)
                             result = None
                         built += result is not None
+                        graphs += 0 if result is None else count(result)
                         self._built.put((item, result))
             except Exception as err:  # the rest stay pending: their work keeps another tier
                 logger.error("%s stopped: %s: %s", self.name, type(err).__name__, err)
             if on_done is not None and not self._stop.is_set():
-                on_done(BuildReport(time.perf_counter() - began, built, len(items) - built, began - waiting_since, held))
+                on_done(BuildReport(time.perf_counter() - began, built, len(items) - built, began - waiting_since, held,
+                                    work.preferred, graphs))
 
         self._thread = threading.Thread(target=build_all, name=self.name, daemon=True)
         self._thread.start()
@@ -164,6 +201,11 @@ class GraphBuilder:
     def stopping(self) -> bool:
         """True once `stop` was called: a long build may end early (its result is not used)."""
         return self._stop.is_set()
+
+    def prefer(self, item: Item) -> bool:
+        """Build `item` next, after the one in progress, if it is still waiting (False: built,
+        in progress, or never asked for)."""
+        return self._queue.prefer(item)
 
     def take(self) -> Iterator[tuple[Item, object]]:
         """(item, result or None) for each item built since the last call: call it on the

@@ -31,6 +31,7 @@ from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 from auk_triton.serving.config import GPU_DECODE_PRECISION, DecodeSettings
+from auk_triton.serving.readiness import BUILD_AFTER_READY, BUILT_AFTER_READY
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -366,8 +367,9 @@ def start_launcher(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,
 
 
 def wait_ready(process: subprocess.Popen, http_url: str, models, log_path: Path, timeout_s: float, what: str) -> None:
-    """Poll until every model answers READY on `http_url` (`what` serves it), then print the
-    start-up lines of `log_path`; raise if `process` exits first or `timeout_s` passes.
+    """Poll until every model answers READY on `http_url` (`what` serves it), then until the
+    graphs the models left for after READY are built (`wait_built`), then print the start-up
+    lines of `log_path`; raise if `process` exits first or `timeout_s` passes.
 
     A new HTTP connection per poll, as a readiness probe makes: a gRPC channel that kept
     failing to connect while the server warmed up backs off, for tens of seconds by then."""
@@ -376,12 +378,50 @@ def wait_ready(process: subprocess.Popen, http_url: str, models, log_path: Path,
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with {process.returncode}; see {log_path}")
         if all(model_ready(http_url, model) for model in models):
-            say(f"ready through {what} in {time.perf_counter() - began:.1f} s; its start-up, from the log:")
+            ready = time.perf_counter()
+            say(f"ready through {what} in {ready - began:.1f} s")
+            wait_built(process, log_path, BUILT_TIMEOUT_S)
+            say(f"its start-up, from the log ({time.perf_counter() - ready:.1f} s after READY):")
             for line in startup_lines(log_path):
                 say(f"  {line}")
             return
         time.sleep(0.5)
     raise RuntimeError(f"not ready through {what} after {timeout_s:g} s; see {log_path}")
+
+
+# A steady-state benchmark waits this long at most for the graphs built after READY (the DiT's
+# take minutes), then measures anyway, saying so.
+BUILT_TIMEOUT_S = 900.0
+MODEL_LOG_LINE = re.compile(r"\b(auk_\w+): ")
+
+
+def builds_pending(log_text: str) -> set[str]:
+    """The models whose log left graphs for after READY and has not said yet that they are built."""
+    pending = set()
+    for line in log_text.splitlines():
+        match = MODEL_LOG_LINE.search(line)
+        if match is None:
+            continue
+        if BUILD_AFTER_READY in line:
+            pending.add(match[1])
+        elif BUILT_AFTER_READY in line:
+            pending.discard(match[1])
+    return pending
+
+
+def wait_built(process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    """Wait until no model of the server's log has graphs left to build after READY: until then
+    a request may meet another tier, and the builders share the GPU, so what a benchmark of the
+    steady state measured would be neither."""
+    began = time.perf_counter()
+    while (pending := builds_pending(Path(log_path).read_text(errors="replace"))):
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}; see {log_path}")
+        if time.perf_counter() - began > timeout_s:
+            say(f"WARNING: {', '.join(sorted(pending))} still building graphs {timeout_s:g} s after READY; "
+                "measuring anyway")
+            return
+        time.sleep(1.0)
 
 
 def model_ready(http_url: str, model: str) -> bool:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from auk_triton.cuda_graph import BUILD_SWITCH_INTERVAL_S, short_switch_interval, wait_for
+from auk_triton.cuda_graph import BUILD_SWITCH_INTERVAL_S, BuildQueue, short_switch_interval, wait_for
 
 
 def test_a_short_switch_interval_holds_inside_and_the_old_one_comes_back_even_after_an_error():
@@ -49,3 +49,12 @@ def test_a_builder_stopped_while_it_waits_ends_without_beginning():
     began = time.monotonic()
     assert wait_for(lambda: False, stop, timeout_s=60, poll_s=10) is None
     assert time.monotonic() - began < 5, "the stop ends the wait, not the poll interval"
+
+
+def test_a_build_queue_builds_in_order_and_a_preferred_item_next():
+    work = BuildQueue(["a", "b", "c", "d"])
+    assert work.next() == "a"
+    assert work.prefer("c") and work.prefer("d"), "a waiting item can be asked for"
+    assert not work.prefer("a") and not work.prefer("z"), "one taken, or never queued, cannot"
+    assert [work.next() for _ in range(4)] == ["d", "c", "b", None]
+    assert work.preferred == 2 and len(work) == 0

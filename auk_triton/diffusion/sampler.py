@@ -40,6 +40,7 @@ import torch
 from ..cuda_graph import BuildReport, GraphBuilder
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
+from .deferred import DeferredBuckets, DeferredGraphs
 from .fp8 import check_fp8_support, use_fp8_linears
 from .step_graph import DiTGraphCache
 from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, ModulationTable, load_transformer, read_config
@@ -290,11 +291,14 @@ class AuKDiTSampler:
         self.latent_dim = transformer.latent_dim
         self.text_dim = transformer.text_hidden_dim
         self._tables: OrderedDict[tuple[float, ...], ModulationTable] = OrderedDict()
-        # Buckets (with their guidance mode) whose graphs are built after the service is ready,
-        # the thread that builds them, and the runs served meanwhile by a larger bucket.
-        self._pending: set[tuple[RunShape, bool]] = set()
+        # Buckets whose graphs are built after the service is ready, the thread that builds
+        # them, and what is served meanwhile: runs on a larger bucket, and runs beyond those
+        # the same requests would take with every graph built (a bucket's batched graphs not
+        # built yet splits its requests into runs of one).
+        self._deferred = DeferredBuckets(buckets) if buckets is not None else None
         self._builder = GraphBuilder("auk-dit-graph-builder")
         self.pending_runs = 0
+        self.split_runs = 0
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir, device="cpu", dtype=torch.float32, **kwargs) -> "AuKDiTSampler":
@@ -363,38 +367,50 @@ class AuKDiTSampler:
         schedule = self.policy.resolve(req.num_steps, req.guidance, req.sway, req.t_grid)
         return Plan(text, ref, frames, schedule, req.seed)
 
-    def bucket(self, plan: Plan) -> RunShape | None:
-        """The bucket a plan's run is padded up to; None without buckets or past the largest."""
+    def own_bucket(self, plan: Plan) -> RunShape | None:
+        """The bucket a plan fits; None without buckets or past the largest."""
         if self.buckets is None:
             return None
-        return self.served_shape(
-            self.buckets.shape(plan.text.shape[0], plan.frames, 0 if plan.ref is None else plan.ref.shape[0]),
-            plan.schedule.guided,
-        )
+        return self.buckets.shape(plan.text.shape[0], plan.frames, 0 if plan.ref is None else plan.ref.shape[0])
 
-    def served_shape(self, shape: RunShape | None, guided: bool) -> RunShape | None:
-        """The bucket that serves a run of bucket `shape`: itself, or while its graphs are still
-        being built (`start_deferred`), the smallest built bucket that holds it (a run without
-        a reference in one without either). None stays None: past the largest bucket."""
-        if shape is None or (shape, guided) not in self._pending:
-            return shape
-        holders = [s for s in self.buckets.shapes()
-                   if (s, guided) not in self._pending and s.text >= shape.text and s.frames >= shape.frames
-                   and (s.ref >= shape.ref if shape.ref else s.ref == 0)]
-        return min(holders, key=lambda s: (s.tokens, s.ref), default=shape)
+    def bucket(self, plan: Plan) -> RunShape | None:
+        """The bucket a plan's run is padded up to: its own, or while that one's graphs are
+        still being built (`start_deferred`), the smallest built bucket that holds it."""
+        shape = self.own_bucket(plan)
+        return shape if self._deferred is None else self._deferred.served_shape(shape, plan.schedule.guided)
 
     def runs(self, plans: list[Plan], max_requests: int) -> list[list[int]]:
         """Indices of the plans grouped into sampler runs, oldest request's run first: one
         `run_key` a run, at most `max_requests` plans. With buckets, one bucket a run, as many
-        as it holds; a plan past the largest bucket runs alone."""
+        as its built graphs take; a plan past the largest bucket runs alone. The builder is
+        asked first for the graphs these plans' own buckets lack (`DeferredBuckets.wanted`)."""
         schedules = [plan.schedule for plan in plans]
         if self.buckets is None:
             return sampler_runs(schedules, max_requests)
         self._take_built()
+        own = [self.own_bucket(plan) for plan in plans]
+        whole = sampler_runs(schedules, max_requests, own, self._limits(own, plans, built=False))
+        if not len(self._deferred):
+            return whole
+        for item in self._deferred.wanted((shape, plan.schedule.guided) for shape, plan in zip(own, plans)):
+            self._builder.prefer(item)
         shapes = [self.bucket(plan) for plan in plans]
-        limits = [1 if shape is None else self.buckets.requests(shape, plan.schedule.guided)
-                  for shape, plan in zip(shapes, plans)]
-        return sampler_runs(schedules, max_requests, shapes, limits)
+        runs = sampler_runs(schedules, max_requests, shapes, self._limits(shapes, plans, built=True))
+        self.split_runs += max(0, len(runs) - len(whole))
+        return runs
+
+    def _limits(self, shapes: list[RunShape | None], plans: list[Plan], built: bool) -> list[int]:
+        """The most requests a run of each plan's bucket takes: all it holds, or (`built`) as many
+        as its graphs built so far take; one past the largest bucket."""
+        limits = []
+        for shape, plan in zip(shapes, plans):
+            guided = plan.schedule.guided
+            if shape is None:
+                limits.append(1)
+            else:
+                most = self.buckets.requests(shape, guided)
+                limits.append(max(1, min(most, self._deferred.holds(shape, guided))) if built else most)
+        return limits
 
     def generate(self, req: "Request | Plan", should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Normalized latents [n, C] in fp32. The same request and seed give the same latents.
@@ -491,7 +507,7 @@ class AuKDiTSampler:
         )
         if shape is None and self.buckets is not None:
             natural = self.buckets.shape(nt, n, np_)
-            shape = self.served_shape(natural, guided)
+            shape = self._deferred.served_shape(natural, guided, B)
             self.pending_runs += shape != natural
         if shape is not None:
             nt, n, np_, padded = shape.text, shape.frames, shape.ref, True
@@ -535,11 +551,11 @@ class AuKDiTSampler:
 
     @torch.inference_mode()
     def warmup(self, on_bucket: Callable[[RunShape, bool, int, float], None] | None = None,
-               defer: bool = False) -> list[tuple[RunShape, bool]]:
+               defer: bool = False) -> list[DeferredGraphs]:
         """Capture the step of every bucket for each request count it holds, guided and not (a
         flash checkpoint never guides), compiling it first when the step is compiled. With
-        `defer`, only the `ready_buckets`, and return the rest, smallest first, for
-        `start_deferred`.
+        `defer`, only the `ready_buckets`, and return the rest's graphs in the order
+        `start_deferred` builds them (`DeferredBuckets.build_order`).
 
         Meant for service start: afterwards a run of a bucket replays a graph, and nothing is
         captured or compiled at request time. `on_bucket(shape, guided, graphs, seconds)` is
@@ -559,8 +575,8 @@ class AuKDiTSampler:
                     torch.cuda.synchronize(self.device)
                 if on_bucket is not None:
                     on_bucket(shape, guided, captured, time.perf_counter() - began)
-        self._pending = set(pending)  # from now on their runs take a larger bucket, never a capture
-        return sorted(pending, key=lambda item: (item[0].tokens, item[0].ref, item[1]))
+        # From now on their runs take a larger bucket, never a capture.
+        return self._deferred.build_order(pending)
 
     def ready_buckets(self) -> set[tuple[RunShape, bool]]:
         """The buckets a deferred warm-up builds before the service is ready: for each guidance
@@ -572,22 +588,30 @@ class AuKDiTSampler:
         return {(RunShape(text, frames, ref), guided)
                 for ref in (0, *self.buckets.ref) for guided in self._guided_modes()}
 
-    def start_deferred(self, pending: list[tuple[RunShape, bool]],
+    def start_deferred(self, pending: list[DeferredGraphs],
                        on_done: Callable[[BuildReport], None] | None = None,
                        begin_when: Callable[[], bool] | None = None) -> None:
         """Build `pending` (what `warmup(defer=True)` left) on a thread of its own, beside the
-        serving thread, which takes each bucket's graphs over at its next run; with
-        `begin_when`, once it holds. `on_done(report)` is called on the builder's thread at the
-        end (not when stopped)."""
-        self._pending.update(pending)
+        serving thread, which takes each item's graphs over at its next run; with
+        `begin_when`, once it holds. A run that lacks its own graphs asks for them first
+        (`runs`). `on_done(report)` is called on the builder's thread at the end (not when
+        stopped)."""
+        inputs = {}  # a bucket's graphs all read the front of one set of buffers, its largest run's
 
-        def build(item):
+        def build(item: DeferredGraphs):
+            key = (item.shape, item.guided)
             with torch.inference_mode():  # as warmup and the runs: their buffers are inference tensors
-                return self.graphs.bucket_graphs(*self._warmup_inputs(*item), beside_serving=True,
-                                                 stopping=lambda: self._builder.stopping)
+                if key not in inputs:
+                    inputs[key] = self._warmup_inputs(item.shape, item.guided)
+                steps = self.graphs.bucket_graphs(*inputs[key], requests=item.requests, beside_serving=True,
+                                                  stopping=lambda: self._builder.stopping)
+            if item.requests[-1] == self.buckets.requests(item.shape, item.guided):  # the bucket's last part
+                del inputs[key]
+            return steps
 
-        self._builder.start(pending, build, self.device, on_done=on_done, begin_when=begin_when,
-                            describe=lambda item: f"the graphs of bucket {item[0]} ({'' if item[1] else 'un'}guided)")
+        self._builder.start(pending, build, self.device, on_done=on_done, begin_when=begin_when, count=len,
+                            describe=lambda item: f"the graphs of bucket {item.shape} for {item.requests} requests "
+                                                  f"({'' if item.guided else 'un'}guided)")
 
     def stop_deferred(self, timeout_s: float = 30.0) -> None:
         """Stop building deferred graphs after the bucket in progress, and wait for that."""
@@ -595,17 +619,17 @@ class AuKDiTSampler:
 
     @property
     def deferred_pending(self) -> int:
-        """Buckets (and guidance modes) whose graphs the serving thread has not taken over yet."""
-        return len(self._pending)
+        """Buckets (and guidance modes) whose graphs the serving thread has not all taken over yet."""
+        return 0 if self._deferred is None else len(self._deferred)
 
     def _take_built(self) -> None:
-        """Serve the buckets built since the last run (on the serving thread, the only one that
-        reads or changes the graph tables). A bucket that failed stays pending: its runs keep
-        a larger bucket."""
+        """Serve the graphs built since the last run (on the serving thread, the only one that
+        reads or changes the graph tables). Graphs that failed stay pending: their runs keep a
+        larger bucket, or runs of fewer requests."""
         for item, steps in self._builder.take():
             if steps is not None:
                 self.graphs.install(steps)
-                self._pending.discard(item)
+                self._deferred.serve(item, (step.x.shape[0] for step in steps.values()))
 
     def _guided_modes(self) -> tuple[bool, ...]:
         return (False,) if self.variant == "flash" else (False, True)

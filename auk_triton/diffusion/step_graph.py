@@ -130,15 +130,16 @@ class DiTGraphCache:
         self.install(steps)
         return len(steps)
 
-    def bucket_graphs(self, ctx: DiTContext, x: torch.Tensor, beside_serving: bool = False,
-                      stopping: Callable[[], bool] = lambda: False) -> dict:
-        """The graphs `warmup` captures, not yet served (`install`): a graph built after the
-        service is ready (`beside_serving`, see cuda_graph.capture) is handed to the serving
-        thread first, and ends early once `stopping()` (the model is unloading). A failed
-        compiled capture falls back to a plain graph."""
+    def bucket_graphs(self, ctx: DiTContext, x: torch.Tensor, requests: range | None = None,
+                      beside_serving: bool = False, stopping: Callable[[], bool] = lambda: False) -> dict:
+        """The graphs `warmup` captures (for every request count up to x's rows, or those of
+        `requests`), not yet served (`install`): a graph built after the service is ready
+        (`beside_serving`, see cuda_graph.capture) is handed to the serving thread first, and
+        ends early once `stopping()` (the model is unloading). A failed compiled capture falls
+        back to a plain graph."""
         steps = {}
         mod = self._modulation_buffer(x.device)
-        for requests in range(1, x.shape[0] + 1):
+        for requests in range(1, x.shape[0] + 1) if requests is None else requests:
             if stopping():
                 break
             view, x_view = ctx.head(requests * ctx.copies), x[:requests]

@@ -301,9 +301,11 @@ class DiTSettings:
     # graphs a large bucket needs.
     max_batch_tokens: int = 18432
     # GPU, with buckets: only the largest bucket of each reference size (for each guidance mode)
-    # is captured before READY; the others after it, smallest first, on a thread beside serving.
-    # Meanwhile a run takes the smallest built bucket that holds it (auk_dit_fallback_runs_total,
-    # kind="larger_bucket"). False: every bucket before READY.
+    # is captured before READY; the others after it, on a thread beside serving: every bucket's
+    # single-request graph first (smallest first), then the batched ones, what a run lacked
+    # first of all. Meanwhile a run takes the smallest built bucket that holds it
+    # (auk_dit_fallback_runs_total, kind="larger_bucket"), or its requests run one at a time
+    # on their own bucket (kind="split"). False: every bucket before READY.
     defer_graphs: bool = True
     cache_dir: Path = DEFAULT_CACHE_DIR
     artifacts_dir: Path | None = None  # the compile caches (artifacts_dir_path); None: `artifacts` in cache_dir

@@ -34,7 +34,7 @@ from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_decode_path, use_artifacts
 from .config import CALL_TOKEN_PARAMETER, CANCEL_CALL_PARAMETER, GPU_DECODE_PRECISION, DecodeSettings
 from .metrics import DecodeMetrics
-from .readiness import begun_note, server_ready_condition
+from .readiness import BUILD_AFTER_READY, BUILT_AFTER_READY, begun_note, server_ready_condition
 from .requests import require_finite, validate_latents
 from .scheduler import Iteration, Job, TileScheduler
 from .triton_common import (
@@ -190,7 +190,7 @@ class TritonPythonModel:
             "info",
             f"{self.name}: ready (one response per tile; "
             f"tiles of {self.graph.tile_frames or 'unlimited'} frames; warmup {time.perf_counter() - began:.1f} s"
-            f"{f'; {len(deferred)} graphs to build after READY' if deferred else ''})",
+            f"{f'; {len(deferred)} graphs {BUILD_AFTER_READY}' if deferred else ''})",
         )
         # Built once the whole server is READY: beside another model's warm-up they slow it.
         self.graph.start_deferred(deferred, self.device, on_done=self._deferred_built,
@@ -198,7 +198,7 @@ class TritonPythonModel:
 
     def _deferred_built(self, report: BuildReport) -> None:
         log("warn" if report.failed else "info",
-            f"{self.name}: {report.built} deferred graphs built in {report.seconds:.1f} s after READY"
+            f"{self.name}: {report.built} {BUILT_AFTER_READY} {report.seconds:.1f} s after READY"
             f"{begun_note(report.waited_s, report.condition_held)}"
             f"{f', {report.failed} FAILED (their windows stay on another tier)' if report.failed else ''}")
 

@@ -20,8 +20,10 @@ many as the bucket's `max_batch_tokens` hold), oldest run first; each run's
 responses are sent as soon as it ends. On a GPU the step is compiled and the
 buckets' step graphs captured in `initialize`: with `defer_graphs`, the largest
 bucket of each reference size before the model is ready and the others after,
-on a thread beside `execute`, whose runs meanwhile take the smallest built
-bucket that holds them (counted, `kind="larger_bucket"`). A run that finds no
+on a thread beside `execute` (each bucket's single-request graph first, and
+first of all what a run lacked), whose runs meanwhile take the smallest built
+bucket that holds them (counted, `kind="larger_bucket"`), or run one request at a
+time on their own bucket until its batched graphs are built (`kind="split"`). A run that finds no
 graph (a request past the largest bucket) is logged and counted too
 (`auk_dit_fallback_runs_total`). A request that breaks a limit (duration, steps,
 MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
@@ -48,7 +50,7 @@ from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_blocks_dir, use_artifacts
 from .config import DiTSettings
 from .metrics import DiTMetrics
-from .readiness import begun_note, server_ready_condition
+from .readiness import BUILD_AFTER_READY, BUILT_AFTER_READY, begun_note, server_ready_condition
 from .errors import RequestCancelled
 from .requests import dit_plan, one_row, throttled_check
 from .triton_common import failure_response, freeze_heap, log
@@ -119,7 +121,10 @@ class TritonPythonModel:
         failures = ""
         if graphs.compile_failures:
             failures = f", {graphs.compile_failures} compiled captures FAILED (plain graphs serve them)"
-        later = f"; {len(deferred)} buckets to capture after READY" if deferred else ""
+        later = ""
+        if deferred:
+            later = (f"; {len({(item.shape, item.guided) for item in deferred})} buckets "
+                     f"({sum(len(item.requests) for item in deferred)} graphs) {BUILD_AFTER_READY}")
         traces = traces_note(graphs.blocks)
         if traces:
             log("info", f"{self.name}: compiled blocks: {traces}")
@@ -130,7 +135,9 @@ class TritonPythonModel:
 
     def _deferred_built(self, report: BuildReport) -> None:
         log("warn" if report.failed else "info",
-            f"{self.name}: {report.built} deferred buckets captured in {report.seconds:.1f} s after READY"
+            f"{self.name}: {report.graphs} {BUILT_AFTER_READY} {report.seconds:.1f} s after READY "
+            f"({report.built} parts of buckets: a single-request graph, or a bucket's batched ones; "
+            f"{report.preferred} built ahead of their turn for a run that lacked them)"
             f"{begun_note(report.waited_s, report.condition_held)}"
             f"{f', {report.failed} FAILED (their runs stay on a larger bucket)' if report.failed else ''}")
 
@@ -149,7 +156,11 @@ class TritonPythonModel:
                                                 self.settings.max_prompt_tokens)))
             except Exception as err:
                 senders[index].send(failure_response(self.name, "generation", err, request), flags=FINAL)
-        for run in self.sampler.runs([plan for _, plan in planned], self.settings.max_batch_requests):
+        split = self.sampler.split_runs
+        runs = self.sampler.runs([plan for _, plan in planned], self.settings.max_batch_requests)
+        if self.sampler.split_runs > split:
+            self.metrics.fallback("split", self.sampler.split_runs - split)
+        for run in runs:
             rows = [planned[i] for i in run]
             before = self._fallbacks()
             try:

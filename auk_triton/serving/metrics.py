@@ -278,14 +278,15 @@ class OfflineMetrics:
 
 class DiTMetrics:
     """auk_dit's counter of sampler runs that found no step graph of their own bucket: their graph
-    was captured at request time (`kind="capture"`), they stepped eagerly (`kind="eager"`), or
+    was captured at request time (`kind="capture"`), they stepped eagerly (`kind="eager"`),
     their bucket was still being built after READY and a larger one served them
-    (`kind="larger_bucket"`).
+    (`kind="larger_bucket"`), or its batched graphs were, and its requests ran apart
+    (`kind="split"`: the runs beyond those that every graph built would have taken).
 
     Only a fallback updates it (a round trip to the server, after the run's responses are
     sent), so the runs that replay their bucket's graphs pay nothing for it."""
 
-    KINDS = ("capture", "eager", "larger_bucket")
+    KINDS = ("capture", "eager", "larger_bucket", "split")
 
     def __init__(self, labels: dict[str, str]):
         self._family = None
@@ -297,8 +298,9 @@ class DiTMetrics:
             self._family = family_cls(
                 name="auk_dit_fallback_runs_total",
                 description="auk_dit sampler runs with no step graph of their own bucket: captured at request "
-                            "time (kind=capture), stepped eagerly (kind=eager), or served by a larger bucket "
-                            "while theirs was built after READY (kind=larger_bucket)",
+                            "time (kind=capture), stepped eagerly (kind=eager), served by a larger bucket "
+                            "while theirs was built after READY (kind=larger_bucket), or run apart while its "
+                            "batched graphs were (kind=split)",
                 kind=family_cls.COUNTER,
             )
             self._runs = {kind: self._family.Metric(labels={**labels, "kind": kind}) for kind in self.KINDS}

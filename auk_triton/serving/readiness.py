@@ -11,6 +11,11 @@ from typing import Callable, Mapping
 
 from .config import server_http_port
 
+# How a model's log marks the graphs it leaves for after READY, and the end of their build: a
+# benchmark of the steady state waits from the one to the other (benchmarks/common.py).
+BUILD_AFTER_READY = "to build after READY"
+BUILT_AFTER_READY = "deferred graphs built in"
+
 
 def server_is_ready(http_port: int, timeout_s: float = 5.0) -> bool:
     """`/v2/health/ready` on loopback answered 200, on a new connection (as a probe asks)."""

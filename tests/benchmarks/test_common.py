@@ -7,7 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from common import startup_lines  # noqa: E402
+from auk_triton.serving.readiness import BUILD_AFTER_READY, BUILT_AFTER_READY  # noqa: E402
+from common import builds_pending, startup_lines  # noqa: E402
 
 LOG = """\
 W1202 23:59:58.500000 674 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory"
@@ -29,3 +30,17 @@ def test_startup_lines_are_the_models_lines_with_their_seconds_since_the_log_beg
         "    8.1 s auk_vae_decode: loaded /tmp/ck on cuda:0 in 1.9 s",
         "   91.5 s auk_vae_decode: bucket of 32 frames compiled and captured in 75.2 s",
     ]
+
+
+def test_a_model_is_still_building_from_its_line_that_leaves_graphs_for_after_ready_to_its_line_that_ends_them():
+    line = 'I1204 13:49:{:02d}.000000 627 triton_common.py:37] "{}"\n'.format
+    log = (line(1, f"auk_vae_decode: ready (one response per tile; warmup 9.1 s; 9 graphs {BUILD_AFTER_READY})")
+           + line(2, f"auk_dit: 25 step graphs of 36 buckets captured in 6.3 s; 66 buckets (553 graphs) "
+                     f"{BUILD_AFTER_READY}")
+           + line(3, "auk_dit: bucket 64 tokens, 256 frames, no reference frames, guided: 16 graphs in 4.1 s"))
+    assert builds_pending(log) == {"auk_vae_decode", "auk_dit"}
+    log += line(30, f"auk_vae_decode: 9 {BUILT_AFTER_READY} 24.2 s after READY, begun once the server was READY")
+    assert builds_pending(log) == {"auk_dit"}
+    log += line(59, f"auk_dit: 553 {BUILT_AFTER_READY} 150.0 s after READY (118 parts of buckets)")
+    assert builds_pending(log) == set()
+    assert builds_pending(LOG) == set(), "a model that left nothing for after READY is not waited for"

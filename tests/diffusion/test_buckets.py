@@ -7,6 +7,7 @@ import torch
 
 from auk_triton.diffusion.buckets import RunShape, ShapeBuckets
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+from auk_triton.diffusion.deferred import DeferredGraphs
 from auk_triton.diffusion.sampler import Request, load_sampler
 from auk_triton.diffusion.synthetic import PRESETS, write_synthetic_dit_checkpoint
 from auk_triton.diffusion.transformer import AuKTransformer
@@ -200,11 +201,15 @@ def test_a_bucket_still_being_built_leaves_its_runs_to_the_smallest_built_bucket
     _stand_in_graphs(monkeypatch)
     sampler = load_sampler(checkpoint, buckets=BUCKETS)
     sampler.graphs = graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
+    asked = []
+    monkeypatch.setattr(sampler._builder, "prefer", asked.append)
     pending = sampler.warmup(defer=True)
     ready = {(RunShape(16, 32, ref), guided) for ref in (0, 8, 24) for guided in (False, True)}
     assert sampler.ready_buckets() == ready
-    assert set(pending) == {(s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
-    assert pending[0][0] == RunShape(8, 16, 0), "the smallest buckets are built first"
+    assert {(item.shape, item.guided) for item in pending} == {
+        (s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
+    single = DeferredGraphs(RunShape(8, 16, 0), False, range(1, 2))
+    assert pending[0] == single, "the smallest bucket's single-request graph is built first"
     assert graphs.captures == sum(BUCKETS.requests(s, g) for s, g in ready)
     captures = graphs.captures
 
@@ -216,22 +221,34 @@ def test_a_bucket_still_being_built_leaves_its_runs_to_the_smallest_built_bucket
         assert sampler.bucket(plans[0]) == holder and runs == [[0, 1, 2]]
         for row in sampler.generate_batch(plans):
             assert max_error(row, plain.generate(request)) < TOLERANCE
+    batched = DeferredGraphs(RunShape(8, 16, 0), False, range(2, 17))
+    assert asked[:2] == [batched, single], "the runs asked for their own bucket's graphs, the single one last"
     assert sampler.pending_runs == 2
     assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (captures, 0, 0)
 
-    # The builder hands a bucket's graphs over; the serving thread takes them at its next run.
-    item = (RunShape(8, 16, 0), False)
-    sampler._builder.hand_over(item, graphs.bucket_graphs(*sampler._warmup_inputs(*item)))
-    assert sampler.runs([sampler.plan(short)], max_requests=16) == [[0]]
+    # The builder hands the single-request graph over; the serving thread takes it at its next
+    # run. A lone request is served on its own bucket, several apart, counted.
+    sampler._builder.hand_over(single, graphs.bucket_graphs(*sampler._warmup_inputs(single.shape, False),
+                                                            requests=single.requests))
+    assert sampler.runs([sampler.plan(short)], max_requests=16) == [[0]] and sampler.split_runs == 0
     assert sampler.bucket(sampler.plan(short)) == RunShape(8, 16, 0)
-    assert sampler.deferred_pending == len(pending) - 1
     assert max_error(sampler.generate(short), plain.generate(short)) < TOLERANCE
-    assert sampler.pending_runs == 2 and graphs.captures == captures + BUCKETS.requests(*item)
-    # A bucket whose build failed stays pending: its runs keep the larger bucket.
-    failed = (RunShape(8, 16, 8), True)
+    assert sampler.pending_runs == 2 and graphs.captures == captures + 1
+    asked.clear()
+    assert sampler.runs([sampler.plan(short)] * 3, max_requests=16) == [[0], [1], [2]]
+    assert sampler.split_runs == 2 and asked == [batched]
+    # Its batched graphs come next: the three share a run again.
+    sampler._builder.hand_over(batched, graphs.bucket_graphs(*sampler._warmup_inputs(batched.shape, False),
+                                                             requests=batched.requests))
+    assert sampler.runs([sampler.plan(short)] * 3, max_requests=16) == [[0, 1, 2]]
+    assert sampler.deferred_pending == len({(item.shape, item.guided) for item in pending}) - 1
+    assert graphs.captures == captures + BUCKETS.requests(RunShape(8, 16, 0), False)
+    # Graphs whose build failed stay pending: their runs keep the larger bucket.
+    failed = DeferredGraphs(RunShape(8, 16, 8), True, range(1, 2))
     sampler._builder.hand_over(failed, None)
     sampler.generate(edit)
-    assert sampler.pending_runs == 3 and failed in sampler._pending and graphs.request_captures == 0
+    assert sampler.pending_runs == 3 and sampler._deferred.pending(failed.shape, True)
+    assert graphs.request_captures == 0
 
 
 def _stand_in_graphs(monkeypatch):

@@ -102,17 +102,22 @@ def test_buckets_built_after_ready_leave_their_runs_to_a_larger_bucket_meanwhile
     eager = load_sampler(checkpoint, "cuda")
     pending = sampler.warmup(defer=True)
     ready = sampler.ready_buckets()
-    assert set(pending) == {(s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
+    assert {(item.shape, item.guided) for item in pending} == {
+        (s, g) for s in BUCKETS.shapes() for g in (False, True)} - ready
     assert sampler.graphs.captures == sum(BUCKETS.requests(s, g) for s, g in ready)
     requests = [_request(20, 0.5, 4, guidance=0.0), _request(21, 0.3, 6, ref_frames=10, guidance=2.0)]
     expected = [eager.generate(r) for r in requests]
-    done = threading.Event()
-    sampler.start_deferred(pending, on_done=lambda report: done.set())
-    served_meanwhile, deadline = 0, time.monotonic() + 120
+    plans = [sampler.plan(r) for r in requests]
+    done, reports = threading.Event(), []
+    sampler.start_deferred(pending, on_done=lambda report: reports.append(report) or done.set())
+    served_meanwhile, on_own_bucket_meanwhile, deadline = 0, set(), time.monotonic() + 120
     try:
-        while not done.is_set() and time.monotonic() < deadline:  # served beside the builder
-            for request, reference in zip(requests, expected):
-                assert _rel_l2(sampler.generate(request), reference) <= 2e-2
+        while not done.is_set() and time.monotonic() < deadline:  # served beside the builder, as auk_dit serves
+            for index, (plan, reference) in enumerate(zip(plans, expected)):
+                assert sampler.runs([plan], max_requests=3) == [[0]]
+                if sampler.bucket(plan) == sampler.own_bucket(plan) and not done.is_set():
+                    on_own_bucket_meanwhile.add(index)
+                assert _rel_l2(sampler.generate_batch([plan])[0], reference) <= 2e-2
             served_meanwhile += 1
         assert done.wait(max(0.0, deadline - time.monotonic())), "the deferred buckets were built"
     finally:
@@ -121,8 +126,10 @@ def test_buckets_built_after_ready_leave_their_runs_to_a_larger_bucket_meanwhile
     for request, reference in zip(requests, expected):  # on their own buckets now
         assert _rel_l2(sampler.generate(request), reference) <= 2e-2
     graphs = sampler.graphs
-    print(f"{served_meanwhile} rounds served while building, {runs_on_larger} runs on a larger bucket")
+    print(f"{served_meanwhile} rounds served while building, {runs_on_larger} runs on a larger bucket, "
+          f"{reports[0].preferred} builds asked for ahead of their turn")
     assert served_meanwhile >= 1 and runs_on_larger >= 1 and sampler.pending_runs == runs_on_larger
+    assert on_own_bucket_meanwhile == {0, 1}, "a lone request met its own bucket before the builder ended"
     assert sampler.deferred_pending == 0 and graphs.captures == BUCKETS.graphs()
     assert (graphs.request_captures, graphs.eager_runs, graphs.compile_failures) == (0, 0, 0)
 
