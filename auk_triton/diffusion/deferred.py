@@ -78,8 +78,8 @@ class DeferredBuckets:
     def served_shape(self, shape: RunShape | None, guided: bool, requests: int = 1) -> RunShape | None:
         """The bucket that serves a run of `requests` requests of bucket `shape`: itself once its
         graphs for them are built, else the smallest bucket that holds it (a run without a
-        reference in one without either) and whose built graphs take that many. None stays
-        None (past the largest bucket), and so does a shape no bucket serves yet."""
+        reference in one without either) and whose built graphs take that many. None (past
+        the largest bucket) stays None; a shape that no built bucket holds stays itself."""
         if shape is None or self.holds(shape, guided) >= requests:
             return shape
         holders = [s for s in self.buckets.shapes()

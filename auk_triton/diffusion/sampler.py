@@ -614,7 +614,7 @@ class AuKDiTSampler:
                                                   f"({'' if item.guided else 'un'}guided)")
 
     def stop_deferred(self, timeout_s: float = 30.0) -> None:
-        """Stop building deferred graphs after the bucket in progress, and wait for that."""
+        """Stop building deferred graphs after the part in progress, and wait for that."""
         self._builder.stop(timeout_s)
 
     @property

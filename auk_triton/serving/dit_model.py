@@ -22,9 +22,9 @@ buckets' step graphs captured in `initialize`: with `defer_graphs`, the largest
 bucket of each reference size before the model is ready and the others after,
 on a thread beside `execute` (each bucket's single-request graph first, and
 first of all what a run lacked), whose runs meanwhile take the smallest built
-bucket that holds them (counted, `kind="larger_bucket"`), or run one request at a
-time on their own bucket until its batched graphs are built (`kind="split"`). A run that finds no
-graph (a request past the largest bucket) is logged and counted too
+bucket that holds them (counted, `kind="larger_bucket"`), or run one request at
+a time on their own bucket until its batched graphs are built (`kind="split"`).
+A run that finds no graph (a request past the largest bucket) is logged and counted too
 (`auk_dit_fallback_runs_total`). A request that breaks a limit (duration, steps,
 MAX_LATENT_FRAMES, shapes, non-finite values) gets an error response of its own
 (INVALID_ARG) before any sampling and its batch runs without it. A request whose
