@@ -387,30 +387,41 @@ class AuKDiTSampler:
         schedules = [plan.schedule for plan in plans]
         if self.buckets is None:
             return sampler_runs(schedules, max_requests)
-        self._take_built()
+        self.take_built_graphs()
         own = [self.own_bucket(plan) for plan in plans]
-        whole = sampler_runs(schedules, max_requests, own, self._limits(own, plans, built=False))
+        guided = [plan.schedule.guided for plan in plans]
+        whole = sampler_runs(schedules, max_requests, own, list(map(self._limit, own, guided, [False] * len(plans))))
         if not len(self._deferred):
             return whole
-        for item in self._deferred.wanted((shape, plan.schedule.guided) for shape, plan in zip(own, plans)):
+        for item in self._deferred.wanted(zip(own, guided)):
             self._builder.prefer(item)
         shapes = [self.bucket(plan) for plan in plans]
-        runs = sampler_runs(schedules, max_requests, shapes, self._limits(shapes, plans, built=True))
+        runs = sampler_runs(schedules, max_requests, shapes, list(map(self._limit, shapes, guided, [True] * len(plans))))
         self.split_runs += max(0, len(runs) - len(whole))
         return runs
 
-    def _limits(self, shapes: list[RunShape | None], plans: list[Plan], built: bool) -> list[int]:
-        """The most requests a run of each plan's bucket takes: all it holds, or (`built`) as many
-        as its graphs built so far take; one past the largest bucket."""
-        limits = []
-        for shape, plan in zip(shapes, plans):
-            guided = plan.schedule.guided
-            if shape is None:
-                limits.append(1)
-            else:
-                most = self.buckets.requests(shape, guided)
-                limits.append(max(1, min(most, self._deferred.holds(shape, guided))) if built else most)
-        return limits
+    def run_limit(self, shape: RunShape | None, guided: bool) -> int:
+        """The most requests of bucket `shape` that one velocity call takes now (joined.py): all
+        the bucket holds, or while its graphs are built after READY, as many as those built
+        take (at least one: a larger bucket serves it meanwhile); one past the largest bucket.
+        Without buckets, no limit of its own."""
+        if self.buckets is None:
+            return MAX_LATENT_FRAMES
+        return self._limit(shape, guided, built=True)
+
+    def ask_for_graphs(self, shape: RunShape, guided: bool, requests: int) -> None:
+        """Ask the builder first for what `requests` requests of this bucket lack (`DeferredBuckets.wanted`)."""
+        if self._deferred is not None and len(self._deferred):
+            for item in self._deferred.wanted([(shape, guided)] * requests):
+                self._builder.prefer(item)
+
+    def _limit(self, shape: RunShape | None, guided: bool, built: bool) -> int:
+        """The most requests a run of this bucket takes: all it holds, or (`built`) as many as
+        its graphs built so far take; one past the largest bucket."""
+        if shape is None:
+            return 1
+        most = self.buckets.requests(shape, guided)
+        return max(1, min(most, self._deferred.holds(shape, guided))) if built else most
 
     def generate(self, req: "Request | Plan", should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Normalized latents [n, C] in fp32. The same request and seed give the same latents.
@@ -454,7 +465,7 @@ class AuKDiTSampler:
 
         if ask("before sampling"):
             return list(stopped)
-        self._take_built()
+        self.take_built_graphs()
         ctx, noise, mask = self._batch_context(plans, schedule.guided)
         ctx.modulation = self.modulation_table(schedule.grid)
 
@@ -485,7 +496,8 @@ class AuKDiTSampler:
                 results.append(latents)
         return results
 
-    def _batch_context(self, plans: list[Plan], guided: bool, shape: RunShape | None = None):
+    def _batch_context(self, plans: list[Plan], guided: bool, shape: RunShape | None = None,
+                       states: list[torch.Tensor | None] | None = None):
         """The run's DiT context (without its grid's modulation table: `modulation_table`),
         its initial noise [B, n, C] and its target mask [B, n] (None when nothing is padded).
 
@@ -496,7 +508,8 @@ class AuKDiTSampler:
         bucketed run is always masked, so that every run of a bucket has one graph's
         structure. A row without a reference among rows with one gets a reference of masked
         frames, which no valid position sees either. `shape` pads to that bucket (a warm-up's),
-        not to the one that serves the run now."""
+        not to the one that serves the run now. `states[i]`, when given, is row i's state [frames,
+        C] part-way through its grid (joined.py), in place of its initial noise."""
         device, B = self.device, len(plans)
         nt = max(p.text.shape[0] for p in plans)
         n = max(p.frames for p in plans)
@@ -524,7 +537,10 @@ class AuKDiTSampler:
             text[i, :tokens] = plan.text.to(device=device, dtype=self.dtype)
             c_mask[i, :tokens] = True
             # Each row's own noise from its own seed, zero-padded: independent of the batch.
-            noise[i, : plan.frames] = initial_noise(plan.frames, self.latent_dim, plan.seed, device)[0]
+            state = None if states is None else states[i]
+            if state is None:
+                state = initial_noise(plan.frames, self.latent_dim, plan.seed, device)[0]
+            noise[i, : plan.frames] = state
             if mask is not None:
                 mask[i, : plan.frames] = True
             if plan.ref is not None:
@@ -563,6 +579,9 @@ class AuKDiTSampler:
         if self.graphs is None or self.buckets is None:
             return []
         now = self.ready_buckets() if defer else None
+        self.graphs.reserve_modulation(max(self.buckets.requests(shape, guided) * (2 if guided else 1)
+                                           for shape in self.buckets.shapes() for guided in self._guided_modes()),
+                                       self.device)
         pending = []
         for shape in self.buckets.shapes():
             for guided in self._guided_modes():
@@ -622,7 +641,7 @@ class AuKDiTSampler:
         """Buckets (and guidance modes) whose graphs the serving thread has not all taken over yet."""
         return 0 if self._deferred is None else len(self._deferred)
 
-    def _take_built(self) -> None:
+    def take_built_graphs(self) -> None:
         """Serve the graphs built since the last run (on the serving thread, the only one that
         reads or changes the graph tables). Graphs that failed stay pending: their runs keep a
         larger bucket, or runs of fewer requests."""

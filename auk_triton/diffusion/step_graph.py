@@ -21,9 +21,10 @@ Two kinds of graphs:
 
 Every step of a graphed run replays the graph, the first one included, so a
 request's latents do not depend on whether its graph was already there. The
-inputs a graph reads are static buffers: the state x, the step's modulation (the
-row of the run's modulation table for its time, copied in before each replay),
-and every tensor of the context (text and reference embeddings, masks, rotary
+inputs a graph reads are static buffers: the state x, the step's modulation (a row
+per model row: the row of the run's modulation table for its time, or each row's
+own when rows at different times share a step (joined.py), copied in before each
+replay), and every tensor of the context (text and reference embeddings, masks, rotary
 tables), which a run copies in.
 
 All graphs capture into one private memory pool: they replay one at a time on
@@ -72,6 +73,7 @@ class _GraphedStep:
         self.model, self.autocast = model, autocast
         self.ctx, self.x, self.mod = ctx, x, mod  # the graph's inputs
         self.table = ctx.modulation
+        self._loaded = ctx  # whose tensors the inputs hold
 
         def step():
             with autocast():
@@ -79,11 +81,18 @@ class _GraphedStep:
 
         self.graph, self.out = capture(step, pool=pool, warmups=1, beside_serving=beside_serving)
 
+    @property
+    def rows(self) -> int:
+        """Model rows (requests x copies): the modulation rows `replay` takes."""
+        return self.mod.shape[0]
+
     def load(self, ctx: DiTContext) -> None:
-        """Copy a run's own context tensors into the graph's (same shapes, by the key)."""
-        if ctx is not self.ctx:
+        """Copy a run's own context tensors into the graph's (same shapes, by the key), unless
+        they hold that context's already."""
+        if ctx is not self._loaded:
             for static, own in zip(_static_tensors(self.ctx), _static_tensors(ctx)):
                 static.copy_(own)
+            self._loaded = ctx
         self.table = ctx.modulation
 
     def __call__(self, x: torch.Tensor, t) -> torch.Tensor:
@@ -95,8 +104,13 @@ class _GraphedStep:
         if mod is None:
             with self.autocast():
                 mod = self.model.modulation_at(torch.as_tensor(t, device=self.x.device))
+        return self.replay(x, mod)
+
+    def replay(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        """The velocity given the modulation: one row that every model row shares, or a row
+        each [rows, total]. In a static buffer, as `__call__`'s."""
         self.x.copy_(x)
-        self.mod.copy_(mod)
+        self.mod.copy_(mod)  # one row broadcasts
         self.graph.replay()
         return self.out
 
@@ -109,18 +123,25 @@ class DiTGraphCache:
         self._buckets: dict[tuple, _GraphedStep] = {}
         self._graphs: OrderedDict[tuple, _GraphedStep] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()
-        self._mod: torch.Tensor | None = None  # the modulation every graph reads: one step's at a time
+        # The modulation every graph reads the front of, a row per model row: one step's at a time.
+        self._mod: torch.Tensor | None = None
         self.captures = 0  # every graph captured
         self.request_captures = 0  # captured on a run's first step (not by warmup)
         self.eager_runs = 0  # runs stepped eagerly: no graph for their shape
         self.compile_failures = 0  # buckets whose compiled capture failed (a plain graph serves them)
 
-    def _modulation_buffer(self, device) -> torch.Tensor:
-        if self._mod is None:
+    def _modulation_buffer(self, device, rows: int) -> torch.Tensor:
+        """The front `rows` rows of the shared modulation buffer, grown when too short (the
+        graphs captured before keep the old one, and still copy their own rows in)."""
+        if self._mod is None or self._mod.shape[0] < rows:
             with self.autocast():  # its dtype is the steps' (bf16 under autocast)
                 like = self.model.modulation_at(torch.zeros((), device=device))
-            self._mod = torch.zeros_like(like)
-        return self._mod
+            self._mod = like.new_zeros(rows, like.shape[1])
+        return self._mod[:rows]
+
+    def reserve_modulation(self, rows: int, device) -> None:
+        """Size the shared modulation buffer for graphs of up to `rows` model rows at once."""
+        self._modulation_buffer(device, rows)
 
     def warmup(self, ctx: DiTContext, x: torch.Tensor) -> int:
         """Capture the step for 1 to B requests of this context's bucket (x [B, n, C] and ctx hold
@@ -138,7 +159,7 @@ class DiTGraphCache:
         ends early once `stopping()` (the model is unloading). A failed compiled capture falls
         back to a plain graph."""
         steps = {}
-        mod = self._modulation_buffer(x.device)
+        mod = self._modulation_buffer(x.device, x.shape[0] * ctx.copies)
         for requests in range(1, x.shape[0] + 1) if requests is None else requests:
             if stopping():
                 break
@@ -147,8 +168,8 @@ class DiTGraphCache:
             if key in self._buckets:
                 continue
             try:
-                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, self.blocks,
-                                    beside_serving)
+                step = _GraphedStep(self.model, view, x_view, mod[: requests * ctx.copies], self.autocast,
+                                    self._pool, self.blocks, beside_serving)
             except Exception as err:
                 if self.blocks is EAGER_BLOCKS:
                     log.warning("CUDA graph capture failed for shape %s: %s: %s", key[:3], type(err).__name__, err)
@@ -156,8 +177,8 @@ class DiTGraphCache:
                 self.compile_failures += 1
                 log.warning("compiled step failed for shape %s, a plain graph serves it: %s: %s",
                             key[:3], type(err).__name__, err)
-                step = _GraphedStep(self.model, view, x_view, mod, self.autocast, self._pool, EAGER_BLOCKS,
-                                    beside_serving)
+                step = _GraphedStep(self.model, view, x_view, mod[: requests * ctx.copies], self.autocast,
+                                    self._pool, EAGER_BLOCKS, beside_serving)
             steps[key] = step
         return steps
 
@@ -179,8 +200,8 @@ class DiTGraphCache:
                 self._graphs.popitem(last=False)
             try:
                 x = torch.zeros(x_shape, dtype=torch.float32, device=ctx.c.device)
-                step = _GraphedStep(self.model, ctx, x, self._modulation_buffer(x.device), self.autocast, self._pool,
-                                    EAGER_BLOCKS)
+                step = _GraphedStep(self.model, ctx, x, self._modulation_buffer(x.device, x_shape[0] * ctx.copies),
+                                    self.autocast, self._pool, EAGER_BLOCKS)
             except Exception as err:  # out of memory, an op that cannot be captured: serve eagerly
                 log.warning("CUDA graph capture failed for shape %s, running eagerly: %s: %s",
                             key[:3], type(err).__name__, err)

@@ -167,8 +167,7 @@ def apply_rotary(u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
 # --------------------------------------------------------------------------- blocks
 #
-# AdaLN modulation depends on the time alone, and every row of a run shares it, so
-# it is computed apart from the blocks: `modulation(temb)` is the linear, and
+# AdaLN modulation depends on the time alone, so it is computed apart from the blocks: `modulation(temb)` is the linear, and
 # `modulate(x, mod)` applies it. A run computes every AdaLN's modulation once per
 # grid time (AuKTransformer.modulation_table) and its steps look it up; `forward(x,
 # temb)` is the two together, the per-block reference. A modulation has one row

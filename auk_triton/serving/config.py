@@ -307,6 +307,10 @@ class DiTSettings:
     # (auk_dit_fallback_runs_total, kind="larger_bucket"), or its requests run one at a time
     # on their own bucket (kind="split"). False: every bucket before READY.
     defer_graphs: bool = True
+    # Requests join the runs in progress between Euler steps and leave them when done, each row
+    # at its own time (diffusion/joined.py), on a sampling thread beside execute; false: each
+    # execute samples its requests in whole runs, and a request waits for the runs before it.
+    join_between_steps: bool = True
     cache_dir: Path = DEFAULT_CACHE_DIR
     artifacts_dir: Path | None = None  # the compile caches (artifacts_dir_path); None: `artifacts` in cache_dir
 
@@ -333,6 +337,7 @@ class DiTSettings:
             ref_buckets=list_parameter(params, "ref_buckets", default.ref_buckets, "512,2048"),
             max_batch_tokens=int_parameter(params, "max_batch_tokens", default.max_batch_tokens, 1),
             defer_graphs=bool_parameter(params, "defer_graphs", default.defer_graphs),
+            join_between_steps=bool_parameter(params, "join_between_steps", default.join_between_steps),
             cache_dir=cache_dir,
             artifacts_dir=artifacts_dir_path(params, model_dir, cache_dir, environ),
         )

@@ -45,6 +45,7 @@ import triton_python_backend_utils as pb_utils
 from auk_triton.cuda_graph import BuildReport
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 from auk_triton.diffusion.compiled import INDUCTOR_OPTIONS, traces_note
+from auk_triton.diffusion.joined import JoinedRuns
 
 from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_blocks_dir, use_artifacts
@@ -53,6 +54,7 @@ from .metrics import DiTMetrics
 from .readiness import BUILD_AFTER_READY, BUILT_AFTER_READY, begun_note, server_ready_condition
 from .errors import RequestCancelled
 from .requests import dit_plan, one_row, throttled_check
+from .sampling_thread import SamplingThread
 from .triton_common import failure_response, freeze_heap, log
 from .triton_io import check_tensor_widths, input_array, instance_device, output_tensor
 
@@ -103,6 +105,11 @@ class TritonPythonModel:
         freeze_heap()
         # Built once the whole server is READY: beside another model's warm-up they slow it.
         self.sampler.start_deferred(deferred, on_done=self._deferred_built, begin_when=server_ready_condition())
+        self.sampling = None
+        if settings.join_between_steps:
+            self._seen = self._fallbacks()
+            self.joined = JoinedRuns(self.sampler, settings.max_batch_requests)
+            self.sampling = SamplingThread(self.joined, self._answer, after_step=self._after_step)
 
     def _warm_up(self, compiled: bool) -> list:
         """Capture the buckets' step graphs (compiling the step first, when on) before READY:
@@ -142,7 +149,8 @@ class TritonPythonModel:
             f"{f', {report.failed} FAILED (their runs stay on a larger bucket)' if report.failed else ''}")
 
     def execute(self, requests):
-        """Plan every request, sample the plans in runs, send each run's responses as it ends.
+        """Plan every request; hand the plans to the sampling thread (`join_between_steps`), or
+        sample them here in whole runs, sending each run's responses as it ends.
 
         Responses go through each request's sender (execute returns None), so a run's
         latents reach the pipeline's decoder without waiting for the runs after it."""
@@ -156,6 +164,11 @@ class TritonPythonModel:
                                                 self.settings.max_prompt_tokens)))
             except Exception as err:
                 senders[index].send(failure_response(self.name, "generation", err, request), flags=FINAL)
+        if self.sampling is not None:
+            for index, plan in planned:
+                self.sampling.submit(plan, (senders[index], requests[index]),
+                                     throttled_check(requests[index].is_cancelled, began))
+            return None
         split = self.sampler.split_runs
         runs = self.sampler.runs([plan for _, plan in planned], self.settings.max_batch_requests)
         if self.sampler.split_runs > split:
@@ -173,6 +186,22 @@ class TritonPythonModel:
             self._count_fallbacks(before, [plan for _, plan in rows])
         return None
 
+    def _answer(self, tag, result) -> None:
+        """Send a request's response from the sampling thread."""
+        sender, request = tag
+        try:
+            sender.send(self._response(result, request), flags=FINAL)
+        except Exception as err:  # its client is gone; the thread serves the others
+            log("warn", f"{self.name}: a response could not be sent: {type(err).__name__}: {err}")
+
+    def _after_step(self, idle: bool) -> None:
+        """After each joined step: the step counters, and what the batches built since the last
+        step fell back to."""
+        self.metrics.steps(self.joined.steps, self.joined.stepped_rows, now=idle)
+        before, self._seen = self._seen, self._fallbacks()
+        if self._seen != before:
+            self._count_fallbacks(before, None)
+
     def _fallbacks(self) -> dict[str, int]:
         graphs = self.sampler.graphs
         if graphs is None:
@@ -187,6 +216,11 @@ class TritonPythonModel:
             if count > before[kind]:
                 self.metrics.fallback(kind, count - before[kind])
                 if kind == "larger_bucket":
+                    continue
+                if plans is None:
+                    log("warn", f"{self.name}: requests joined a run whose shape has no graph captured at load: "
+                                f"{'captured now' if kind == 'capture' else 'stepped eagerly'} "
+                                f"({count} such runs since load)")
                     continue
                 plan = max(plans, key=lambda p: p.frames)
                 ref = 0 if plan.ref is None else plan.ref.shape[0]
@@ -204,6 +238,9 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("LATENTS", latents)])
 
     def finalize(self):
+        if getattr(self, "sampling", None) is not None:
+            for sender, request in self.sampling.stop():
+                self._answer((sender, request), RuntimeError(f"{self.name} is unloading"))
         if getattr(self, "sampler", None) is not None:
             self.sampler.stop_deferred()
         if getattr(self, "sampler", None) is not None and self.sampler.graphs is not None:

@@ -287,15 +287,21 @@ class DiTMetrics:
     sent), so the runs that replay their bucket's graphs pay nothing for it."""
 
     KINDS = ("capture", "eager", "larger_bucket", "split")
+    # With rows joining runs between steps: the steps and the requests they served, sent at most
+    # this often (and when the sampling thread goes idle), not a round trip per step.
+    STEPS_FLUSH_S = 1.0
 
     def __init__(self, labels: dict[str, str]):
-        self._family = None
+        self._families = []  # kept alive: a metric lives as long as its family
         self._runs: dict[str, object] = {}
+        self._steps = self._step_rows = None
+        self._sent = (0, 0)  # steps and rows already sent
+        self._sent_at = time.monotonic()
         family_cls = getattr(pb_utils, "MetricFamily", None)
         if family_cls is None:
             return
         try:
-            self._family = family_cls(
+            runs = family_cls(
                 name="auk_dit_fallback_runs_total",
                 description="auk_dit sampler runs with no step graph of their own bucket: captured at request "
                             "time (kind=capture), stepped eagerly (kind=eager), served by a larger bucket "
@@ -303,10 +309,32 @@ class DiTMetrics:
                             "batched graphs were (kind=split)",
                 kind=family_cls.COUNTER,
             )
-            self._runs = {kind: self._family.Metric(labels={**labels, "kind": kind}) for kind in self.KINDS}
+            steps = family_cls(name="auk_dit_steps_total", kind=family_cls.COUNTER,
+                               description="auk_dit velocity calls, with requests joining runs between steps")
+            rows = family_cls(name="auk_dit_step_requests_total", kind=family_cls.COUNTER,
+                              description="requests served by auk_dit's velocity calls, summed over them: "
+                                          "divided by auk_dit_steps_total, the requests a step serves")
+            self._families = [runs, steps, rows]
+            self._runs = {kind: runs.Metric(labels={**labels, "kind": kind}) for kind in self.KINDS}
+            self._steps, self._step_rows = steps.Metric(labels=labels), rows.Metric(labels=labels)
         except Exception as err:  # metrics disabled on the server, or an older backend
             log("warn", f"custom metrics are unavailable ({err}); auk_dit exports none")
-            self._family, self._runs = None, {}
+            self._families, self._runs, self._steps, self._step_rows = [], {}, None, None
+
+    def steps(self, steps: int, rows: int, now: bool = False) -> None:
+        """The totals of steps and of the requests they served so far; sent when STEPS_FLUSH_S
+        has passed since the last send, or `now`."""
+        if self._steps is None or (steps, rows) == self._sent:
+            return
+        clock = time.monotonic()
+        if not now and clock - self._sent_at < self.STEPS_FLUSH_S:
+            return
+        try:
+            self._steps.increment(steps - self._sent[0])
+            self._step_rows.increment(rows - self._sent[1])
+        except Exception as err:  # the server is shutting down
+            log("warn", f"could not update auk_dit's metrics: {err}")
+        self._sent, self._sent_at = (steps, rows), clock
 
     def fallback(self, kind: str, runs: int = 1) -> None:
         metric = self._runs.get(kind)

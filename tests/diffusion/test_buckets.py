@@ -12,7 +12,7 @@ from auk_triton.diffusion.sampler import Request, load_sampler
 from auk_triton.diffusion.synthetic import PRESETS, write_synthetic_dit_checkpoint
 from auk_triton.diffusion.transformer import AuKTransformer
 
-from dit_inputs import max_error, prompt, reference  # beside this file
+from dit_inputs import max_error, prompt, reference, stand_in_graphs  # beside this file
 
 VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
 TOLERANCE = 1e-5  # fp32: padding and masks, not rounding, would show above this
@@ -152,23 +152,12 @@ def test_compiled_blocks_trace_whole_and_one_compilation_serves_every_bucket():
     torch._dynamo.reset()
 
 
-class _StandInGraph:
-    """A CUDA graph's contract on the CPU: replay() runs the captured step again on the same
-    static buffers and writes the same output tensor."""
-
-    def __init__(self, run):
-        self.run, self.captured = run, run()
-
-    def replay(self):
-        self.captured.copy_(self.run())
-
-
 def test_bucket_graphs_serve_every_run_of_their_bucket_from_shared_buffers(plain, checkpoint, monkeypatch):
     # The graph cache's bookkeeping on the CPU: warm-up contexts whose keys a run must find,
     # smaller runs reading the front of a bucket's buffers, each run's inputs copied in.
     from auk_triton.diffusion import step_graph
 
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     buckets = ShapeBuckets(text=(8, 16), frames=(16,), ref=(8,), max_tokens=4 * 2 * 40, max_requests=4)
     sampler = load_sampler(checkpoint, buckets=buckets)
     sampler.graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
@@ -198,7 +187,7 @@ def test_a_bucket_still_being_built_leaves_its_runs_to_the_smallest_built_bucket
     # larger bucket's graphs, counted, with the same result; never a capture at request time.
     from auk_triton.diffusion import step_graph
 
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     sampler = load_sampler(checkpoint, buckets=BUCKETS)
     sampler.graphs = graphs = step_graph.DiTGraphCache(sampler.model, sampler._autocast, max_graphs=0)
     asked = []
@@ -249,11 +238,3 @@ def test_a_bucket_still_being_built_leaves_its_runs_to_the_smallest_built_bucket
     sampler.generate(edit)
     assert sampler.pending_runs == 3 and sampler._deferred.pending(failed.shape, True)
     assert graphs.request_captures == 0
-
-
-def _stand_in_graphs(monkeypatch):
-    from auk_triton.diffusion import step_graph
-
-    monkeypatch.setattr(step_graph, "capture",
-                        lambda run, pool, warmups, beside_serving=False: (graph := _StandInGraph(run), graph.captured))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)

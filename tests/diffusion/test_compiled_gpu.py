@@ -75,6 +75,29 @@ def test_a_whole_run_of_the_compiled_buckets_follows_the_eager_run(served, check
         assert rel <= 2e-2
 
 
+def test_requests_joining_runs_between_steps_get_their_own_runs_latents_and_capture_nothing(served):
+    from auk_triton.diffusion.joined import JoinedRuns
+
+    # A second request of the same bucket joins two steps into the first's four, on a grid of
+    # its own (three steps): the compiled graphs replay with a modulation row per request.
+    first = _request(5, 0.6, 7, guidance=2.0)
+    second = Request(_request(6, 0.5, 5, guidance=1.5).prompt_embeds, 0.5, 6, num_steps=3, guidance=1.5)
+    own = {tag: served.generate(r) for tag, r in (("first", first), ("second", second))}
+    captures = served.graphs.captures
+    runs, results = JoinedRuns(served, 16), {}
+    runs.submit(served.plan(first), "first")
+    for step in range(8):
+        if step == 2:
+            runs.submit(served.plan(second), "second")
+        results.update(runs.step())
+    assert set(results) == {"first", "second"} and runs.steps == 5 and runs.stepped_rows == 7
+    for tag, latents in results.items():
+        rel = _rel_l2(latents, own[tag])
+        print(f"joined between steps vs its own run ({tag}): relative L2 {rel:.2e} of the latents")
+        assert rel <= 1e-2, tag  # bf16: a batch of two rounds apart from a run of one
+    assert served.graphs.captures == captures and served.graphs.request_captures == 0
+
+
 def test_requests_in_the_buckets_capture_and_compile_nothing(served):
     graphs = served.graphs
     assert graphs.captures == BUCKETS.graphs() and graphs.compile_failures == 0

@@ -402,24 +402,25 @@ def test_a_model_whose_weights_are_missing_fails_its_load_naming_the_file(tmp_pa
     assert f"missing {codec_only / 'auk.safetensors'}" in done.stdout + done.stderr
 
 
-# ---- batching: requests that queue while auk_dit samples share its next run ----------------
+# ---- batching: requests that arrive while auk_dit samples join its runs between steps --------
 
 
-def dit_batches(url: str) -> dict[int, int]:
-    """auk_dit's executes so far by the number of requests Triton handed over at once."""
-    import tritonclient.grpc as grpcclient
+def dit_steps(server, expect_requests: float | None = None) -> tuple[float, float]:
+    """auk_dit's velocity calls so far and the requests they served, summed over them. The
+    sampling thread sends them when it goes idle: with `expect_requests`, wait for that total."""
+    import time
 
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        stats = client.get_inference_statistics("auk_dit", as_json=True)["model_stats"][0]
-    finally:
-        client.close()
-    return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+    deadline = time.monotonic() + 30
+    while True:
+        counts = server.metric("auk_dit_steps_total"), server.metric("auk_dit_step_requests_total")
+        if expect_requests is None or counts[1] >= expect_requests or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
 
 
 def while_busy(url: str, work):
     """Run `work` while a long auk_dit request keeps the model busy, so that what `work` sends
-    queues and reaches the model in one execute; the long request's latents come back too."""
+    joins a run in progress; the long request's latents come back too."""
     import threading
 
     blocker = {}
@@ -457,16 +458,19 @@ BATCHED_PIPELINE_REQUESTS = [
 ]
 
 
-def test_concurrent_pipeline_requests_share_a_run_and_each_streams_the_decode_of_its_own_latents(
+def test_concurrent_pipeline_requests_share_steps_and_each_streams_the_decode_of_its_own_latents(
     pipeline_server,
 ):
     url = pipeline_server.grpc_url
-    before = dit_batches(url)
+    steps, requests = dit_steps(pipeline_server)
     streamed = while_busy(url, lambda: concurrently(
         [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]))
-    after = dit_batches(url)
-    grew = {size: after.get(size, 0) - before.get(size, 0) for size in after}
-    assert any(size > 1 and count for size, count in grew.items()), f"no execute of several requests: {grew}"
+    # The long request's 40 steps and each request's 3: every request counted once a step...
+    served = 40 + 3 * len(BATCHED_PIPELINE_REQUESTS)
+    after_steps, after_requests = dit_steps(pipeline_server, expect_requests=requests + served)
+    assert after_requests - requests == served
+    # ...in fewer velocity calls: the four shared theirs (one guided run, joined as they arrived).
+    assert after_steps - steps <= 40 + 3 * (len(BATCHED_PIPELINE_REQUESTS) - 1), (after_steps - steps, served)
     for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
         alone = generate_latents(**request, url=url)  # sampled alone: nothing else is queued now
         expected = assemble(list(stream_decode(alone, url=url, timeout=600)))

@@ -1,0 +1,216 @@
+"""Requests that join a sampler run between Euler steps, and leave it when done.
+
+`AuKDiTSampler.generate_batch` samples whole requests: a run takes every step of
+its grid, and a request that arrives meanwhile waits for all of them. Here each
+request is a row with its own place on its own time grid. Before each step the
+requests waiting join the run (as many as its bucket's graphs hold), and after it
+the rows at the end of their grid leave with their latents; a row whose client is
+gone leaves before its next step. One step serves rows at different times, even of
+different grids: each row gets its own modulation (its grid's table at its time)
+and its own step size. So a request waits one step for a run in progress, not the
+run.
+
+Rows share a run when they share a bucket (its CUDA graphs) and a guidance mode;
+without buckets, a guidance mode alone, padded to the longest row as
+`generate_batch` pads. Runs of different keys take turns, one step each.
+
+A row's latents are those `generate` gives its request alone, to the rounding that
+a batch of another size brings: padding is masked exactly, each row draws its
+noise from its own seed, and its update `x + dt * v` is formed as a run's is (the
+product in the velocity's dtype, added into fp32 x).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+import torch
+
+from .sampler import AuKDiTSampler, Plan, SamplingStopped, cfg_combine
+from .transformer import ModulationTable
+
+
+@dataclass(eq=False)
+class JoinedRow:
+    """One request being sampled: where it is on its grid, and its state after its last step."""
+
+    plan: Plan
+    tag: object  # the caller's: returned with the row's result
+    should_stop: Callable[[], bool] | None
+    table: ModulationTable
+    step: int = 0  # steps taken
+    state: torch.Tensor | None = None  # [frames, C] fp32 once it has left a batch part-way; None: its noise
+
+    @property
+    def steps(self) -> int:
+        return self.plan.schedule.steps
+
+    def dt(self) -> torch.Tensor:
+        """The next step's size, a 0-d fp32 CPU tensor as `euler_integrate` forms it."""
+        grid = self.plan.schedule.grid
+        return grid[self.step + 1] - grid[self.step]
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A run's rows laid out for its velocity calls, rebuilt whenever a row joins or leaves."""
+
+    ctx: object  # DiTContext
+    x: torch.Tensor  # [B, n, C] fp32
+    mask: torch.Tensor | None  # [B, n]
+    cfg: float | torch.Tensor
+    graph: object | None  # the CUDA graph that replays the step, or None: eager
+
+
+@dataclass(eq=False)
+class _Run:
+    guided: bool
+    shape: object  # the rows' own bucket (RunShape), None without buckets or past the largest
+    rows: list[JoinedRow] = field(default_factory=list)
+    waiting: deque = field(default_factory=deque)
+    batch: _Batch | None = None  # None: rows changed since it was built
+
+
+class JoinedRuns:
+    """The requests being sampled, in runs that rows join and leave between steps.
+
+    Not thread-safe: one thread submits and steps (a server's sampling thread)."""
+
+    def __init__(self, sampler: AuKDiTSampler, max_requests: int):
+        self.sampler, self.max_requests = sampler, max(1, max_requests)
+        self._runs: OrderedDict[Hashable, _Run] = OrderedDict()
+        self._alone = 0  # keys of requests past the largest bucket: each runs alone
+        self.steps = 0  # velocity calls made
+        self.stepped_rows = 0  # requests summed over them: / steps, the requests a step serves
+
+    def __len__(self) -> int:
+        """Requests held: sampling or waiting to join."""
+        return sum(len(run.rows) + len(run.waiting) for run in self._runs.values())
+
+    def submit(self, plan: Plan, tag: object = None, should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue a checked plan (`AuKDiTSampler.plan`): it joins its run before that run's next step."""
+        sampler, guided = self.sampler, plan.schedule.guided
+        shape = sampler.own_bucket(plan)
+        key: Hashable = (shape, guided)
+        if sampler.buckets is not None and shape is None:
+            self._alone += 1
+            key = ("alone", self._alone)
+        run = self._runs.setdefault(key, _Run(guided, shape))
+        run.waiting.append(JoinedRow(plan, tag, should_stop, sampler.modulation_table(plan.schedule.grid)))
+        if shape is not None:
+            sampler.ask_for_graphs(shape, guided, len(run.rows) + len(run.waiting))
+
+    def step(self) -> list[tuple[object, torch.Tensor | Exception]]:
+        """One step of the next run (runs take turns): (tag, result) of each row that left it,
+        its latents [frames, C] fp32 or the exception that ended it (SamplingStopped, a
+        RuntimeError for non-finite latents, or the run's own error, which ends all its rows)."""
+        if not self._runs:
+            return []
+        key, run = next(iter(self._runs.items()))
+        self._runs.move_to_end(key)
+        done: list[tuple[object, torch.Tensor | Exception]] = []
+        try:
+            with torch.inference_mode():  # as generate_batch: the graphs' buffers are inference tensors
+                self._step(run, done)
+        except Exception as err:  # the step itself failed (out of memory): every row of the run
+            done += [(row.tag, err) for row in run.rows]
+            run.rows.clear()
+            run.batch = None
+        if not run.rows and not run.waiting:
+            del self._runs[key]
+        return done
+
+    def drain(self) -> list[object]:
+        """Every request held, dropped (the model is unloading): their tags."""
+        tags = [row.tag for run in self._runs.values() for row in (*run.rows, *run.waiting)]
+        self._runs.clear()
+        return tags
+
+    # ------------------------------------------------------------------ one step
+
+    def _step(self, run: _Run, done: list) -> None:
+        sampler = self.sampler
+        sampler.take_built_graphs()
+        for row in list(run.rows):
+            if row.should_stop is not None and row.should_stop():
+                self._leave(run, row)
+                done.append((row.tag, SamplingStopped(f"before step {row.step + 1} of {row.steps}")))
+        limit = min(self.max_requests, sampler.run_limit(run.shape, run.guided))
+        while run.waiting and len(run.rows) < limit:
+            row = run.waiting.popleft()
+            if row.should_stop is not None and row.should_stop():
+                done.append((row.tag, SamplingStopped("before sampling")))
+                continue
+            self._unbatch(run)
+            run.rows.append(row)
+        if not run.rows:
+            return
+        if run.batch is None:
+            run.batch = self._build(run)
+        batch, rows = run.batch, run.rows
+        v = self._velocity(batch, rows)
+        if run.guided:
+            v_cond, v_uncond = v.chunk(2, dim=0)
+            v = cfg_combine(v_cond, v_uncond, batch.cfg)
+        if batch.mask is not None:
+            v = v.masked_fill(~batch.mask[..., None], 0.0)
+        batch.x = batch.x + self._scaled(v, rows)
+        self.steps += 1
+        self.stepped_rows += len(rows)
+        for i, row in reversed(list(enumerate(rows))):
+            row.step += 1
+            if row.step == row.steps:
+                latents = batch.x[i, : row.plan.frames]
+                finite = bool(torch.isfinite(latents).all())
+                self._leave(run, row)
+                done.append((row.tag, latents if finite else RuntimeError("the DiT produced non-finite latents")))
+
+    @staticmethod
+    def _unbatch(run: _Run) -> None:
+        """Drop the run's batch, each row keeping its state for the next one."""
+        if run.batch is not None:
+            for i, row in enumerate(run.rows):
+                row.state = run.batch.x[i, : row.plan.frames]
+            run.batch = None
+
+    def _leave(self, run: _Run, row: JoinedRow) -> None:
+        self._unbatch(run)
+        run.rows.remove(row)
+
+    def _build(self, run: _Run) -> _Batch:
+        sampler, rows = self.sampler, run.rows
+        plans = [row.plan for row in rows]
+        ctx, x, mask = sampler._batch_context(plans, run.guided, states=[row.state for row in rows])
+        cfg = plans[0].schedule.cfg
+        if run.guided and len(plans) > 1:
+            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=sampler.device)[:, None, None]
+        graph = None if sampler.graphs is None else sampler.graphs.velocity(ctx, x.shape)
+        return _Batch(ctx, x, mask, cfg, graph)
+
+    def _velocity(self, batch: _Batch, rows: list[JoinedRow]) -> torch.Tensor:
+        """The rows' velocity [B * copies, n, C], each row at its own time."""
+        sampler = self.sampler
+        first = rows[0]
+        if all(row.table is first.table and row.step == first.step for row in rows):
+            mod = first.table.values[first.step : first.step + 1]  # one row for all, as a run's step
+        else:
+            mod = torch.cat([row.table.values[row.step : row.step + 1] for row in rows])
+            if batch.ctx.copies > 1:
+                mod = torch.cat([mod] * batch.ctx.copies)
+        if batch.graph is not None:
+            batch.graph.load(batch.ctx)  # another run's batch may have used this graph since
+            return batch.graph.replay(batch.x, mod)
+        with sampler._autocast():
+            return sampler.model.velocity(batch.x, mod, batch.ctx)
+
+    @staticmethod
+    def _scaled(v: torch.Tensor, rows: list[JoinedRow]) -> torch.Tensor:
+        """dt * v for each row, in the velocity's dtype: the product of v (as fp32) and an fp32
+        dt, rounded once, as `euler_integrate`'s 0-d dt gives it."""
+        dts = [row.dt() for row in rows]
+        if all(bool(dt == dts[0]) for dt in dts):
+            return dts[0] * v
+        dt = torch.stack(dts).to(v.device)[:, None, None]
+        return (dt * v.float()).to(v.dtype)

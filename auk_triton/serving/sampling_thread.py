@@ -1,0 +1,67 @@
+"""`auk_dit`'s sampling thread: requests join the runs in progress between steps.
+
+`execute` checks each request, hands the valid ones to this thread with their
+response senders, and returns. Triton's dynamic batcher then calls it again for
+the requests that arrive meanwhile (the model stays non-decoupled: one response
+per request, over HTTP `/infer` too), so a request joins a run at its next step
+(diffusion/joined.py) instead of waiting for the runs before it to end. The thread
+steps while it holds requests, answers each one as it leaves its run, and waits
+for the next request when it holds none.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from auk_triton.diffusion.joined import JoinedRuns
+
+# How often an idle thread looks whether it is being stopped.
+IDLE_WAIT_S = 0.1
+
+
+class SamplingThread:
+    """Steps `runs` on a thread of its own. `answer(tag, result)` is called there once for each
+    request (its latents or its error), and `after_step(idle)` after each step, idle when it
+    holds no request any more; neither may raise."""
+
+    def __init__(self, runs: JoinedRuns, answer: Callable[[object, object], None],
+                 after_step: Callable[[bool], None] = lambda idle: None, name: str = "auk-dit-sampling"):
+        self._runs, self._answer, self._after_step = runs, answer, after_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, plan, tag, should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue a checked plan; it joins its run before that run's next step."""
+        self._inbox.put((plan, tag, should_stop))
+
+    def stop(self, timeout_s: float = 30.0) -> list:
+        """Stop after the step in progress; the tags of the requests never answered."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        return [tag for _, tag, _ in self._take_inbox()] + self._runs.drain()
+
+    def _take_inbox(self, wait_s: float = 0.0) -> list:
+        items = []
+        try:
+            items.append(self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait())
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            for plan, tag, should_stop in self._take_inbox(0.0 if len(self._runs) else IDLE_WAIT_S):
+                try:
+                    self._runs.submit(plan, tag, should_stop)
+                except Exception as err:  # its grid's modulation table could not be computed
+                    self._answer(tag, err)
+            if not len(self._runs):
+                continue
+            for tag, result in self._runs.step():
+                self._answer(tag, result)
+            self._after_step(not len(self._runs))

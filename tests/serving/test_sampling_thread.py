@@ -1,0 +1,69 @@
+"""auk_dit's sampling thread, with stand-in runs: it answers every request once, from its own
+thread, and a stop hands back the requests it never answered."""
+
+import threading
+import time
+
+from auk_triton.serving.sampling_thread import SamplingThread
+
+
+class StandInRuns:
+    """JoinedRuns' contract: a request takes `steps` of its own; a plan of None cannot be submitted."""
+
+    def __init__(self, steps: int = 3):
+        self.steps, self.held = steps, {}
+
+    def __len__(self):
+        return len(self.held)
+
+    def submit(self, plan, tag, should_stop=None):
+        if plan is None:
+            raise ValueError("no modulation table for this grid")
+        self.held[tag] = self.steps
+
+    def step(self):
+        done = []
+        for tag in list(self.held):
+            self.held[tag] -= 1
+            if not self.held[tag]:
+                del self.held[tag]
+                done.append((tag, f"latents of {tag}"))
+        return done
+
+    def drain(self):
+        tags, self.held = list(self.held), {}
+        return tags
+
+
+def _wait_for(answers, count):
+    deadline = time.monotonic() + 10
+    while len(answers) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_every_request_is_answered_once_from_the_sampling_thread_and_a_failed_submit_gets_its_error():
+    answers, idle = [], []
+    thread = SamplingThread(StandInRuns(), lambda tag, result: answers.append((tag, result, threading.current_thread())),
+                            after_step=idle.append)
+    thread.submit("plan", "a")
+    thread.submit(None, "broken")
+    thread.submit("plan", "b")
+    _wait_for(answers, 3)
+    assert thread.stop() == []
+    assert sorted((tag, str(result)) for tag, result, _ in answers) == [
+        ("a", "latents of a"), ("b", "latents of b"), ("broken", "no modulation table for this grid")]
+    assert all(where.name == "auk-dit-sampling" for _, _, where in answers)
+    assert idle[-1] is True and idle.count(True) >= 1, "the last step leaves it idle"
+
+
+def test_a_stop_returns_after_the_step_in_progress_with_the_requests_never_answered():
+    runs = StandInRuns(steps=10**9)
+    answers = []
+    thread = SamplingThread(runs, lambda tag, result: answers.append(tag))
+    thread.submit("plan", "long")
+    deadline = time.monotonic() + 10
+    while not len(runs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    began = time.monotonic()
+    assert thread.stop(timeout_s=5) == ["long"] and answers == []
+    assert time.monotonic() - began < 1
