@@ -1,8 +1,7 @@
 """Triton Python-backend model `auk_dit`: text condition in, normalized AuK latents out.
 
 One response per request (not decoupled). Triton's dynamic batcher hands `execute`
-the requests that queued while the last runs sampled, so every input has a
-leading batch axis of 1 (one clip per request; the `auk_pipeline` ensemble adds
+requests together, so every input has a leading batch axis of 1 (one clip per request; the `auk_pipeline` ensemble adds
 and removes it itself). Inputs, after that axis:
 
 - PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
@@ -13,12 +12,16 @@ and removes it itself). Inputs, after that axis:
   defaults otherwise; a flash checkpoint ignores them), and REF_LATENTS FP32
   [frames, 64]: a source clip's normalized latents, for editing.
 
-Output LATENTS FP32 [1, ceil(50 * GEN_SECONDS), 64]. The requests of one `execute`
-whose sampling can share a run (one time grid, guided or not; on a GPU, one shape
-bucket) are sampled together, at most `max_batch_requests` a run (and on a GPU as
-many as the bucket's `max_batch_tokens` hold), oldest run first; each run's
-responses are sent as soon as it ends. On a GPU the step is compiled and the
-buckets' step graphs captured in `initialize`: with `defer_graphs`, the largest
+Output LATENTS FP32 [1, ceil(50 * GEN_SECONDS), 64]. With `join_between_steps` (the
+default), `execute` hands each checked request to a sampling thread and returns: the
+request joins the run of its bucket and guidance mode at the run's next step, at its own
+time on its own grid (diffusion/joined.py), and its response is sent as it leaves. Without
+it, the requests of one `execute` whose sampling can share a run (one time grid, guided
+or not; on a GPU, one shape bucket) are sampled together in whole runs, oldest run first,
+each run's responses sent as soon as it ends. Either way a run holds at most
+`max_batch_requests` requests (on a GPU, as many as the bucket's `max_batch_tokens`
+hold). On a GPU the step is compiled and the buckets' step graphs captured in
+`initialize`: with `defer_graphs`, the largest
 bucket of each reference size before the model is ready and the others after,
 on a thread beside `execute` (each bucket's single-request graph first, and
 first of all what a run lacked), whose runs meanwhile take the smallest built

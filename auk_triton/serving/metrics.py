@@ -284,7 +284,8 @@ class DiTMetrics:
     (`kind="split"`: the runs beyond those that every graph built would have taken).
 
     Only a fallback updates it (a round trip to the server, after the run's responses are
-    sent), so the runs that replay their bucket's graphs pay nothing for it."""
+    sent), so the runs that replay their bucket's graphs pay nothing for it. With requests
+    joining runs between steps, also the steps and the requests they served (`steps`)."""
 
     KINDS = ("capture", "eager", "larger_bucket", "split")
     # With rows joining runs between steps: the steps and the requests they served, sent at most

@@ -141,3 +141,19 @@ def test_the_offline_model_s_gauges_hold_its_latest_counts_once_closed(metrics_m
     assert total("auk_vae_offline_queued_requests") == 4
     # Its tiles are the decode model's to count.
     assert not [name for name, _ in RecordingFamily.totals if name.startswith("auk_vae_tiles")]
+
+
+def test_the_dit_s_step_counters_are_sent_at_most_once_a_second_and_whenever_it_goes_idle(metrics_module, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    metrics = metrics_module.DiTMetrics({"model": "auk_dit", "version": "1"})
+    metrics.steps(4, 10)  # within the second since it began: kept
+    assert (total("auk_dit_steps_total"), total("auk_dit_step_requests_total")) == (0, 0)
+    clock[0] += metrics.STEPS_FLUSH_S
+    metrics.steps(6, 14)
+    assert (total("auk_dit_steps_total"), total("auk_dit_step_requests_total")) == (6, 14)
+    clock[0] += 0.1
+    metrics.steps(9, 20)
+    assert total("auk_dit_steps_total") == 6
+    metrics.steps(10, 21, now=True)  # idle: sent at once, the steps since the last send
+    assert (total("auk_dit_steps_total"), total("auk_dit_step_requests_total")) == (10, 21)
