@@ -137,7 +137,7 @@ class JoinedRuns:
             if row.should_stop is not None and row.should_stop():
                 self._leave(run, row)
                 done.append((row.tag, SamplingStopped(f"before step {row.step + 1} of {row.steps}")))
-        limit = min(self.max_requests, sampler.run_limit(run.shape, run.guided))
+        limit = sampler.run_limit(run.shape, run.guided, self.max_requests)
         while run.waiting and len(run.rows) < limit:
             row = run.waiting.popleft()
             if row.should_stop is not None and row.should_stop():

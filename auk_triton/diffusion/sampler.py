@@ -390,24 +390,28 @@ class AuKDiTSampler:
         self.take_built_graphs()
         own = [self.own_bucket(plan) for plan in plans]
         guided = [plan.schedule.guided for plan in plans]
-        whole = sampler_runs(schedules, max_requests, own, list(map(self._limit, own, guided, [False] * len(plans))))
+
+        def limits(shapes, built):
+            return [self._limit(shape, g, built) for shape, g in zip(shapes, guided)]
+
+        whole = sampler_runs(schedules, max_requests, own, limits(own, built=False))
         if not len(self._deferred):
             return whole
         for item in self._deferred.wanted(zip(own, guided)):
             self._builder.prefer(item)
         shapes = [self.bucket(plan) for plan in plans]
-        runs = sampler_runs(schedules, max_requests, shapes, list(map(self._limit, shapes, guided, [True] * len(plans))))
+        runs = sampler_runs(schedules, max_requests, shapes, limits(shapes, built=True))
         self.split_runs += max(0, len(runs) - len(whole))
         return runs
 
-    def run_limit(self, shape: RunShape | None, guided: bool) -> int:
-        """The most requests of bucket `shape` that one velocity call takes now (joined.py): all
-        the bucket holds, or while its graphs are built after READY, as many as those built
-        take (at least one: a larger bucket serves it meanwhile); one past the largest bucket.
-        Without buckets, no limit of its own."""
+    def run_limit(self, shape: RunShape | None, guided: bool, max_requests: int) -> int:
+        """The most requests of bucket `shape` that one velocity call takes now (joined.py), at
+        most `max_requests`: all the bucket holds, or while its graphs are built after READY, as
+        many as those built take (at least one: a larger bucket serves it meanwhile); one past
+        the largest bucket."""
         if self.buckets is None:
-            return MAX_LATENT_FRAMES
-        return self._limit(shape, guided, built=True)
+            return max_requests
+        return min(max_requests, self._limit(shape, guided, built=True))
 
     def ask_for_graphs(self, shape: RunShape, guided: bool, requests: int) -> None:
         """Ask the builder first for what `requests` requests of this bucket lack (`DeferredBuckets.wanted`)."""

@@ -81,11 +81,6 @@ class _GraphedStep:
 
         self.graph, self.out = capture(step, pool=pool, warmups=1, beside_serving=beside_serving)
 
-    @property
-    def rows(self) -> int:
-        """Model rows (requests x copies): the modulation rows `replay` takes."""
-        return self.mod.shape[0]
-
     def load(self, ctx: DiTContext) -> None:
         """Copy a run's own context tensors into the graph's (same shapes, by the key), unless
         they hold that context's already."""
