@@ -34,7 +34,11 @@ longest kernels), the table of the diffusion issue. `--inductor KEY=VALUE` sets 
 Inductor option (`torch._inductor.config`) for the compiled step, to weigh one.
 `--request` instead times one flash request as `auk_dit` samples it on a GPU, phase
 by phase (its checks, its context, the steps, the whole run), and one full garbage
-collection in a process that compiled.
+collection in a process that compiled. `--open-loop RATE ...` instead serves flash
+requests in this process as `auk_dit`'s sampling thread does (rows joining runs between
+steps, each one's latents copied to the host as it leaves), arriving one at a time and
+then as a Poisson process at each RATE per second for `--duration` seconds: the sampling
+time from arrival to latents on the host, without Triton, the front door or the decoder.
 
 The compile caches go to a fresh folder unless `--cache-dir` names one: run twice
 with the same folder for a warm start's figures. `--buckets` instead builds what
@@ -53,6 +57,7 @@ import ast
 import contextlib
 import copy
 import gc
+import random
 import statistics
 import sys
 import tempfile
@@ -67,6 +72,7 @@ from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
 from auk_triton.diffusion.fp8 import check_fp8_support, use_fp8_linears
 from auk_triton.diffusion.buckets import ShapeBuckets
+from auk_triton.diffusion.joined import JoinedRuns
 from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request, euler_integrate
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
 from auk_triton.serving.config import DiTSettings, use_compile_cache
@@ -313,6 +319,63 @@ def request_phases(model, frames: int, tokens: int, device, dtype, options: Comp
     return lines
 
 
+def open_loop(model, frames: int, tokens: int, device, dtype, options: CompileOptions, rates: list[float],
+              duration: float, alone: int = 16, seed: int = 0) -> list[str]:
+    """Flash requests served in process as auk_dit's sampling thread serves them (JoinedRuns on
+    the default bucket that holds them, compiled and graphed): one at a time, then arriving as
+    a Poisson process at each rate. Each request is planned when it arrives and its latents
+    copied to the host when it leaves; its sampling time runs from its arrival to that copy."""
+    settings = DiTSettings()
+    shape = settings.shape_buckets().shape(tokens, frames)
+    bucket = ShapeBuckets((shape.text,), (shape.frames,), (), settings.max_batch_tokens, settings.max_batch_requests)
+    served = AuKDiTSampler(model, sampler_config(model, "flash"), device, dtype, buckets=bucket, compile=options)
+    served.warmup()
+    runs = JoinedRuns(served, settings.max_batch_requests)
+    texts = [torch.randn(tokens, model.text_hidden_dim, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def serve(arrivals: list[float]) -> list[float]:
+        """The sampling time, ms, of requests arriving at these offsets (s) from now."""
+        began, waiting, took = time.perf_counter(), list(enumerate(arrivals))[::-1], []
+        while waiting or len(runs):
+            now = time.perf_counter() - began
+            while waiting and waiting[-1][1] <= now:
+                index, at = waiting.pop()
+                runs.submit(served.plan(Request(texts[index % 8], frames / served.frame_rate, index)), at)
+            if not len(runs):
+                time.sleep(max(0.0, waiting[-1][1] - now))
+                continue
+            for at, latents in runs.step():
+                latents.to("cpu")
+                took.append((time.perf_counter() - began - at) * 1e3)
+        return sorted(took)
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    one = serve([0.05 * k for k in range(alone)])  # 50 ms apart: each runs alone
+    lines = [f"flash requests in process, {frames} frames + {tokens} tokens in bucket {shape.text} x {shape.frames}, "
+             f"rows joining runs between steps; sampling time from arrival to latents on the host, ms:",
+             f"  one at a time ({alone}): p50 {statistics.median(one):.1f} / p99 {pct(one, 0.99):.1f}"]
+    rng = random.Random(seed)
+    for rate in rates:
+        arrivals, at = [], rng.expovariate(rate)
+        while at < duration:
+            arrivals.append(at)
+            at += rng.expovariate(rate)
+        steps, rows = runs.steps, runs.stepped_rows
+        began = time.perf_counter()
+        took = serve(arrivals)
+        wall = time.perf_counter() - began
+        lines.append(f"  Poisson at {rate:g} requests/s, {duration:g} s ({len(took)} requests): p50 "
+                     f"{statistics.median(took):.1f} / p90 {pct(took, 0.9):.1f} / p99 {pct(took, 0.99):.1f} "
+                     f"(p99 {pct(took, 0.99) / statistics.median(one):.2f}x one at a time); "
+                     f"{(runs.steps - steps) / wall:.0f} steps/s, "
+                     f"{(runs.stepped_rows - rows) / max(1, runs.steps - steps):.2f} requests a step")
+    if served.graphs is not None:
+        assert served.graphs.request_captures == served.graphs.eager_runs == 0, "the runs replayed their bucket's graphs"
+    return lines
+
+
 def bucket_warmup(model, variant: str, device, dtype) -> None:
     """Build auk_dit's default buckets as its initialize does, and say what that took."""
     settings = DiTSettings()
@@ -358,6 +421,10 @@ def main() -> None:
                         help="also the compiled step and the whole runs with the token linears in FP8")
     parser.add_argument("--request", action="store_true",
                         help="only where one flash request's time goes in the sampler, phase by phase (GPU)")
+    parser.add_argument("--open-loop", type=float, nargs="+", default=None, metavar="RATE",
+                        help="only flash requests served in process, rows joining between steps: one at a time, "
+                             "then Poisson arrivals at each RATE per second")
+    parser.add_argument("--duration", type=float, default=20.0, help="--open-loop: seconds of arrivals per rate")
     args = parser.parse_args()
     preset = args.preset or ("small" if args.small else "auk")
     device = torch.device(args.device or ("cpu" if args.small else "cuda"))
@@ -383,10 +450,12 @@ def main() -> None:
         return
     options = CompileOptions(dynamic=not args.static, backend=backend)
     set_inductor_options(args.inductor)
-    if args.request:
-        if device.type != "cuda":
+    if args.request or args.open_loop:
+        if args.request and device.type != "cuda":
             sys.exit("--request replays the served graphs: it needs a GPU")
-        for line in request_phases(model, frames, tokens, device, dtype, options):
+        lines = (request_phases(model, frames, tokens, device, dtype, options) if args.request else
+                 open_loop(model, frames, tokens, device, dtype, options, args.open_loop, args.duration))
+        for line in lines:
             say(line)
         return
     if args.inductor:
