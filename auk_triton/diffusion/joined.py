@@ -185,7 +185,8 @@ class JoinedRuns:
         ctx, x, mask = sampler._batch_context(plans, run.guided, states=[row.state for row in rows])
         cfg = plans[0].schedule.cfg
         if run.guided and len(plans) > 1:
-            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=sampler.device)[:, None, None]
+            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=sampler.device)
+            cfg = cfg[:, None, None]
         graph = None if sampler.graphs is None else sampler.graphs.velocity(ctx, x.shape)
         return _Batch(ctx, x, mask, cfg, graph)
 

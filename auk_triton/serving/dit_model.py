@@ -1,8 +1,9 @@
 """Triton Python-backend model `auk_dit`: text condition in, normalized AuK latents out.
 
 One response per request (not decoupled). Triton's dynamic batcher hands `execute`
-requests together, so every input has a leading batch axis of 1 (one clip per request; the `auk_pipeline` ensemble adds
-and removes it itself). Inputs, after that axis:
+requests together, so every input has a leading batch axis of 1 (one clip per
+request; the `auk_pipeline` ensemble adds and removes it itself). Inputs, after that
+axis:
 
 - PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
   (the encoder itself is not served here);

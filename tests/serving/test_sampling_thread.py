@@ -43,8 +43,10 @@ def _wait_for(answers, count):
 
 def test_every_request_is_answered_once_from_the_sampling_thread_and_a_failed_submit_gets_its_error():
     answers, idle = [], []
-    thread = SamplingThread(StandInRuns(), lambda tag, result: answers.append((tag, result, threading.current_thread())),
-                            after_step=idle.append)
+    def answer(tag, result):
+        answers.append((tag, result, threading.current_thread()))
+
+    thread = SamplingThread(StandInRuns(), answer, after_step=idle.append)
     thread.submit("plan", "a")
     thread.submit(None, "broken")
     thread.submit("plan", "b")
