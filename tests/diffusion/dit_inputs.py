@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
+
+
+def small_checkpoint(path: Path) -> Path:
+    """The small synthetic DiT (seed 0) in `path`, with the config.json sections the sampler reads."""
+    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+
+    (path / "config.json").write_text(json.dumps({"vae": VAE_SECTION}))
+    return write_synthetic_dit_checkpoint(path, "small", seed=0)
 
 
 def prompt(tokens: int, seed: int) -> torch.Tensor:

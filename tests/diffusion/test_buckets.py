@@ -1,7 +1,5 @@
 """Shape buckets (CPU, fp32): which bucket a request lands on, and padding up to it changes nothing."""
 
-import json
-
 import pytest
 import torch
 
@@ -9,12 +7,11 @@ from auk_triton.diffusion.buckets import RunShape, ShapeBuckets
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
 from auk_triton.diffusion.deferred import DeferredGraphs
 from auk_triton.diffusion.sampler import Request, load_sampler
-from auk_triton.diffusion.synthetic import PRESETS, write_synthetic_dit_checkpoint
+from auk_triton.diffusion.synthetic import PRESETS
 from auk_triton.diffusion.transformer import AuKTransformer
 
-from dit_inputs import max_error, prompt, reference, stand_in_graphs  # beside this file
+from dit_inputs import max_error, prompt, reference, small_checkpoint, stand_in_graphs  # beside this file
 
-VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
 TOLERANCE = 1e-5  # fp32: padding and masks, not rounding, would show above this
 BUCKETS = ShapeBuckets(text=(8, 16), frames=(16, 32), ref=(8, 24), max_tokens=4 * 2 * 56, max_requests=16)
 
@@ -46,9 +43,7 @@ def test_a_bucket_holds_the_requests_that_fit_its_token_budget_and_always_one():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dit_buckets")
-    (path / "config.json").write_text(json.dumps({"vae": VAE_SECTION}))
-    return write_synthetic_dit_checkpoint(path, "small", seed=0)
+    return small_checkpoint(tmp_path_factory.mktemp("dit_buckets"))
 
 
 @pytest.fixture(scope="module")

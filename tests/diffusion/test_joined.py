@@ -1,7 +1,5 @@
 """Requests that join a sampler run between steps (CPU, fp32): each row is its request alone."""
 
-import json
-
 import pytest
 import torch
 
@@ -9,19 +7,15 @@ from auk_triton.diffusion.buckets import RunShape, ShapeBuckets
 from auk_triton.diffusion.joined import JoinedRuns
 from auk_triton.diffusion.sampler import Request, SamplingStopped, load_sampler
 from auk_triton.diffusion.step_graph import DiTGraphCache
-from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 
-from dit_inputs import max_error, prompt, reference, stand_in_graphs  # beside this file
+from dit_inputs import max_error, prompt, reference, small_checkpoint, stand_in_graphs  # beside this file
 
-VAE_SECTION = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
 TOLERANCE = 1e-5  # fp32: padding, masks or another row's time, not rounding, would show above this
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dit_joined")
-    (path / "config.json").write_text(json.dumps({"vae": VAE_SECTION}))
-    return write_synthetic_dit_checkpoint(path, "small", seed=0)
+    return small_checkpoint(tmp_path_factory.mktemp("dit_joined"))
 
 
 @pytest.fixture(scope="module")
