@@ -100,7 +100,7 @@ class JoinedRuns:
         run = self._runs.setdefault(key, _Run(guided, shape))
         run.waiting.append(JoinedRow(plan, tag, should_stop, sampler.modulation_table(plan.schedule.grid)))
         if shape is not None:
-            sampler.ask_for_graphs(shape, guided, len(run.rows) + len(run.waiting))
+            sampler.ask_for_graphs([(shape, guided)] * (len(run.rows) + len(run.waiting)))
 
     def step(self) -> list[tuple[object, torch.Tensor | Exception]]:
         """One step of the next run (runs take turns): (tag, result) of each row that left it,

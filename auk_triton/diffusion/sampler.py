@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -397,8 +397,7 @@ class AuKDiTSampler:
         whole = sampler_runs(schedules, max_requests, own, limits(own, built=False))
         if not len(self._deferred):
             return whole
-        for item in self._deferred.wanted(zip(own, guided)):
-            self._builder.prefer(item)
+        self.ask_for_graphs(zip(own, guided))
         shapes = [self.bucket(plan) for plan in plans]
         runs = sampler_runs(schedules, max_requests, shapes, limits(shapes, built=True))
         self.split_runs += max(0, len(runs) - len(whole))
@@ -413,10 +412,11 @@ class AuKDiTSampler:
             return max_requests
         return min(max_requests, self._limit(shape, guided, built=True))
 
-    def ask_for_graphs(self, shape: RunShape, guided: bool, requests: int) -> None:
-        """Ask the builder first for what `requests` requests of this bucket lack (`DeferredBuckets.wanted`)."""
+    def ask_for_graphs(self, requests: Iterable[tuple[RunShape | None, bool]]) -> None:
+        """Ask the builder first for what these requests' own buckets (and guidance modes), one
+        entry a request, lack (`DeferredBuckets.wanted`)."""
         if self._deferred is not None and len(self._deferred):
-            for item in self._deferred.wanted([(shape, guided)] * requests):
+            for item in self._deferred.wanted(requests):
                 self._builder.prefer(item)
 
     def _limit(self, shape: RunShape | None, guided: bool, built: bool) -> int:

@@ -167,11 +167,11 @@ def apply_rotary(u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
 # --------------------------------------------------------------------------- blocks
 #
-# AdaLN modulation depends on the time alone, so it is computed apart from the blocks: `modulation(temb)` is the linear, and
-# `modulate(x, mod)` applies it. A run computes every AdaLN's modulation once per
-# grid time (AuKTransformer.modulation_table) and its steps look it up; `forward(x,
-# temb)` is the two together, the per-block reference. A modulation has one row
-# per model row, or one row that broadcasts over them all.
+# AdaLN modulation depends on the time alone, so it is computed apart from the blocks:
+# `modulation(temb)` is the linear, and `modulate(x, mod)` applies it. A run computes
+# every AdaLN's modulation once per grid time (AuKTransformer.modulation_table) and its
+# steps look it up; `forward(x, temb)` is the two together, the per-block reference. A
+# modulation has one row per model row, or one row that broadcasts over them all.
 
 
 class AdaLayerNormZero(nn.Module):
