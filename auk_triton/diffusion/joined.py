@@ -18,12 +18,18 @@ A row's latents are those `generate` gives its request alone, to the rounding th
 a batch of another size brings: padding is masked exactly, each row draws its
 noise from its own seed, and its update `x + dt * v` is formed as a run's is (the
 product in the velocity's dtype, added into fp32 x).
+
+Queuing a step never waits for the GPU. Each request's prompt, reference and step
+sizes go to the device once, when it is submitted, from pinned memory; a row that
+leaves has its latents copied to pinned host memory behind its last step, and is
+handed back by the next `step()`, which waits for that copy alone once its own step
+is queued: the GPU computes the next step while the caller answers the row.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable
 
 import torch
@@ -32,14 +38,35 @@ from .sampler import AuKDiTSampler, Plan, SamplingStopped, cfg_combine
 from .transformer import ModulationTable
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`. To a GPU through pinned memory, queued: a copy from pageable
+    memory would wait for all the work queued before it."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of a tensor in host memory, queued behind the work that makes it, and the event
+    that marks it done (None: done already)."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 @dataclass(eq=False)
 class JoinedRow:
     """One request being sampled: where it is on its grid, and its state after its last step."""
 
-    plan: Plan
+    plan: Plan  # its text and reference on the sampler's device
     tag: object  # the caller's: returned with the row's result
     should_stop: Callable[[], bool] | None
     table: ModulationTable
+    dts: torch.Tensor  # [steps] fp32 step sizes on the sampler's device, as `euler_integrate` forms them
     step: int = 0  # steps taken
     state: torch.Tensor | None = None  # [frames, C] fp32 once it has left a batch part-way; None: its noise
 
@@ -82,12 +109,13 @@ class JoinedRuns:
         self.sampler, self.max_requests = sampler, max(1, max_requests)
         self._runs: OrderedDict[Hashable, _Run] = OrderedDict()
         self._alone = 0  # keys of requests past the largest bucket: each runs alone
+        self._leaving: list[tuple[object, torch.Tensor, torch.cuda.Event | None]] = []  # copies under way
         self.steps = 0  # velocity calls made
         self.stepped_rows = 0  # requests summed over them: / steps, the requests a step serves
 
     def __len__(self) -> int:
-        """Requests held: sampling or waiting to join."""
-        return sum(len(run.rows) + len(run.waiting) for run in self._runs.values())
+        """Requests held: sampling, waiting to join, or left with their latents on the way to the host."""
+        return len(self._leaving) + sum(len(run.rows) + len(run.waiting) for run in self._runs.values())
 
     def submit(self, plan: Plan, tag: object = None, should_stop: Callable[[], bool] | None = None) -> None:
         """Queue a checked plan (`AuKDiTSampler.plan`): it joins its run before that run's next step."""
@@ -97,35 +125,45 @@ class JoinedRuns:
         if sampler.buckets is not None and shape is None:
             self._alone += 1
             key = ("alone", self._alone)
+        table = sampler.modulation_table(plan.schedule.grid)
+        device, grid = torch.device(sampler.device), plan.schedule.grid
+        plan = replace(plan, text=to_device(plan.text, device),
+                       ref=None if plan.ref is None else to_device(plan.ref, device))
         run = self._runs.setdefault(key, _Run(guided, shape))
-        run.waiting.append(JoinedRow(plan, tag, should_stop, sampler.modulation_table(plan.schedule.grid)))
+        run.waiting.append(JoinedRow(plan, tag, should_stop, table, to_device(grid[1:] - grid[:-1], device)))
         if shape is not None:
             sampler.ask_for_graphs([(shape, guided)] * (len(run.rows) + len(run.waiting)))
 
     def step(self) -> list[tuple[object, torch.Tensor | Exception]]:
-        """One step of the next run (runs take turns): (tag, result) of each row that left it,
-        its latents [frames, C] fp32 or the exception that ended it (SamplingStopped, a
-        RuntimeError for non-finite latents, or the run's own error, which ends all its rows)."""
-        if not self._runs:
-            return []
-        key, run = next(iter(self._runs.items()))
-        self._runs.move_to_end(key)
+        """Queue one step of the next run (runs take turns), and return (tag, result) of each row
+        that has left: its latents [frames, C] fp32 on the host, or the exception that ended it
+        (SamplingStopped, a RuntimeError for non-finite latents, or the run's own error, which
+        ends all its rows). Rows that finish with this step come back from the next call, or
+        from this one when no run is left to step."""
+        leaving, self._leaving = self._leaving, []
         done: list[tuple[object, torch.Tensor | Exception]] = []
-        try:
-            with torch.inference_mode():  # as generate_batch: the graphs' buffers are inference tensors
-                self._step(run, done)
-        except Exception as err:  # the step itself failed (out of memory): every row of the run
-            done += [(row.tag, err) for row in run.rows]
-            run.rows.clear()
-            run.batch = None
-        if not run.rows and not run.waiting:
-            del self._runs[key]
-        return done
+        if self._runs:
+            key, run = next(iter(self._runs.items()))
+            self._runs.move_to_end(key)
+            try:
+                with torch.inference_mode():  # as generate_batch: the graphs' buffers are inference tensors
+                    self._step(run, done)
+            except Exception as err:  # the step itself failed (out of memory): every row of the run
+                done += [(row.tag, err) for row in run.rows]
+                run.rows.clear()
+                run.batch = None
+            if not run.rows and not run.waiting:
+                del self._runs[key]
+        if not self._runs:
+            leaving, self._leaving = leaving + self._leaving, []
+        return done + [(tag, _finished(latents, copied)) for tag, latents, copied in leaving]
 
     def drain(self) -> list[object]:
         """Every request held, dropped (the model is unloading): their tags."""
-        tags = [row.tag for run in self._runs.values() for row in (*run.rows, *run.waiting)]
+        tags = [tag for tag, _, _ in self._leaving]
+        tags += [row.tag for run in self._runs.values() for row in (*run.rows, *run.waiting)]
         self._runs.clear()
+        self._leaving = []
         return tags
 
     # ------------------------------------------------------------------ one step
@@ -162,10 +200,8 @@ class JoinedRuns:
         for i, row in reversed(list(enumerate(rows))):
             row.step += 1
             if row.step == row.steps:
-                latents = batch.x[i, : row.plan.frames]
-                finite = bool(torch.isfinite(latents).all())
+                self._leaving.append((row.tag, *to_host(batch.x[i, : row.plan.frames])))
                 self._leave(run, row)
-                done.append((row.tag, latents if finite else RuntimeError("the DiT produced non-finite latents")))
 
     @staticmethod
     def _unbatch(run: _Run) -> None:
@@ -185,8 +221,8 @@ class JoinedRuns:
         ctx, x, mask = sampler._batch_context(plans, run.guided, states=[row.state for row in rows])
         cfg = plans[0].schedule.cfg
         if run.guided and len(plans) > 1:
-            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32, device=sampler.device)
-            cfg = cfg[:, None, None]
+            cfg = torch.tensor([p.schedule.cfg for p in plans], dtype=torch.float32)
+            cfg = to_device(cfg, torch.device(sampler.device))[:, None, None]
         graph = None if sampler.graphs is None else sampler.graphs.velocity(ctx, x.shape)
         return _Batch(ctx, x, mask, cfg, graph)
 
@@ -210,8 +246,17 @@ class JoinedRuns:
     def _scaled(v: torch.Tensor, rows: list[JoinedRow]) -> torch.Tensor:
         """dt * v for each row, in the velocity's dtype: the product of v (as fp32) and an fp32
         dt, rounded once, as `euler_integrate`'s 0-d dt gives it."""
-        dts = [row.dt() for row in rows]
-        if all(bool(dt == dts[0]) for dt in dts):
-            return dts[0] * v
-        dt = torch.stack(dts).to(v.device)[:, None, None]
+        dts = [float(row.dt()) for row in rows]
+        if all(dt == dts[0] for dt in dts):
+            return rows[0].dt() * v  # a CPU scalar: the product in fp32, as euler_integrate's
+        dt = torch.cat([row.dts[row.step : row.step + 1] for row in rows])[:, None, None]
         return (dt * v.float()).to(v.dtype)
+
+
+def _finished(latents: torch.Tensor, copied: torch.cuda.Event | None) -> torch.Tensor | Exception:
+    """A row's latents once on the host, or the error that they are not finite."""
+    if copied is not None:
+        copied.synchronize()  # this row's copy alone, not the steps queued after it
+    if not bool(torch.isfinite(latents).all()):
+        return RuntimeError("the DiT produced non-finite latents")
+    return latents

@@ -127,6 +127,31 @@ def test_a_row_that_overflows_fails_alone_and_a_failed_step_fails_its_run_only(s
     assert max_error(results["unguided"], sampler.generate(good)) < TOLERANCE
 
 
+def test_a_finished_row_comes_back_from_the_next_step_once_queued_or_at_once_when_no_run_is_left(
+        sampler, monkeypatch):
+    # The caller answers a row while the GPU runs the step after its last: the row is handed
+    # back by the next call, which queues that step first.
+    short = Request(prompt(4, 60), 0.1, 60, num_steps=2, guidance=0.0)
+    long = Request(prompt(6, 61), 0.2, 61, num_steps=4, guidance=0.0)
+    alone = {"short": sampler.generate(short), "long": sampler.generate(long)}
+    calls = _record_rows(monkeypatch, sampler)
+    runs = JoinedRuns(sampler, 8)
+    runs.submit(sampler.plan(short), "short")
+    runs.submit(sampler.plan(long), "long")
+    assert runs.step() == [] and runs.step() == [] and len(runs) == 2, "short has left, not yet handed back"
+    third = runs.step()
+    assert [tag for tag, _ in third] == ["short"] and calls == [2, 2, 1]
+    last = runs.step()
+    assert [tag for tag, _ in last] == ["long"] and calls == [2, 2, 1, 1] and not len(runs)
+    for tag, latents in (*third, *last):
+        assert max_error(latents, alone[tag]) < TOLERANCE, tag
+
+    runs.submit(sampler.plan(short), "again")
+    runs.submit(sampler.plan(long), "other")
+    runs.step(), runs.step()
+    assert sorted(runs.drain()) == ["again", "other"] and not len(runs), "a row on its way back is drained too"
+
+
 def test_drain_gives_back_every_request_held(sampler):
     runs = JoinedRuns(sampler, 1)
     for tag in "abc":
