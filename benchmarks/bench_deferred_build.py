@@ -35,10 +35,9 @@ from pathlib import Path
 
 import torch
 
-from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph
+from auk_triton.codec import AuKVAEDecodeGraph
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
-from common import (FRAMES_PER_SECOND, heading, latents, percentile, replay_ms, say, served_decoder_options,
-                    synthetic_checkpoint)
+from common import FRAMES_PER_SECOND, heading, latents, percentile, replay_ms, say, served_graph, synthetic_checkpoint
 
 BUILDS = ("served", "heuristic", "none")
 SERVING_STREAMS = ("current", "own", "priority")
@@ -108,20 +107,6 @@ def gpu_operations(trace: Path) -> list[dict]:
 
 def late_wakes(ticks: list[tuple[float, float]], since: float, until: float) -> list[float]:
     return [late for began, late in ticks if since <= began <= until]
-
-
-def build_decoder(cache: Path) -> AuKVAEDecodeGraph:
-    """The graph wrapper as the streaming model builds it on a GPU, the decode's trace saved in `cache`."""
-    settings = DecodeSettings()
-    vae = AuKVAE.from_pretrained(synthetic_checkpoint(cache / "checkpoint", "auk"), device="cuda",
-                                 **served_decoder_options("cuda"))
-    return AuKVAEDecodeGraph(
-        vae, enabled=True, frame_alignment=settings.frame_alignment, max_graphs=settings.max_graphs,
-        compile_shapes=settings.buckets(), tile_frames=settings.tile_frames,
-        first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
-        batch_frames=settings.batch_frames, compile_dynamic=settings.compile_dynamic,
-        precompiled=cache / "decode-precompiled.bin",
-    )
 
 
 class Client:
@@ -214,7 +199,8 @@ def main() -> None:
     use_compile_cache(cache)
     say(heading("One client's decodes beside the decoder's deferred builder", "cuda", f", cache {cache}"))
     say(f"build {args.build}, serving stream {args.serving_stream}, errata {args.errata}")
-    graph = build_decoder(cache)
+    graph = served_graph(synthetic_checkpoint(cache / "checkpoint", "auk"), DecodeSettings(),
+                         precompiled=cache / "decode-precompiled.bin")
     began = time.perf_counter()
     pending = graph.warmup("cuda", defer=True)
     say(f"warm-up {time.perf_counter() - began:.1f} s, {len(pending)} graphs deferred; compiled decode "
