@@ -12,8 +12,8 @@ interpreter's lock; a thread that sleeps 2 ms at a time says how late it wakes (
 
 Each run is one process (cuDNN keeps its algorithm choices per process, and per thread). The
 options are experiments that need no change to the product: cuDNN's heuristics in place of
-its timing for the whole build, the client's decodes on a stream of their own, an errata file
-that keeps cuDNN engines out. `--profile` records the GPU's kernels for 2.5 s from the start
+its timing for the whole build, the client's decodes on a stream of their own, another errata
+file than the decoder's (codec/cudnn_timing.py), or none (`--errata none`). `--profile` records the GPU's kernels for 2.5 s from the start
 of the builder's largest batched graph and prints what other streams ran in the serving
 stream's longest gaps. Weights are a seeded synthetic checkpoint (not real audio).
 
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from auk_triton.codec import AuKVAEDecodeGraph
+from auk_triton.codec.cudnn_timing import ERRATA_ENV
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
 from common import FRAMES_PER_SECOND, heading, latents, percentile, replay_ms, say, served_graph, synthetic_checkpoint
 
@@ -184,18 +185,24 @@ def main() -> None:
     parser.add_argument("--serving-stream", choices=SERVING_STREAMS, default="current",
                         help="the client's decodes on the current stream (as the model), a stream of their own, "
                              "or one of high priority")
-    parser.add_argument("--errata", type=Path, default=None,
-                        help="a cuDNN errata file (CUDNN_ERRATA_JSON_FILE): engines cuDNN neither times nor runs")
+    parser.add_argument("--errata", default="served",
+                        help="cuDNN's errata file (engines it neither times nor runs): served (the decoder's), "
+                             "none, or a file")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write a Chrome trace of the GPU here while the largest batched graph builds")
     parser.add_argument("--iters", type=int, default=50, help="timed replays per graph afterwards (0: none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_deferred_build needs CUDA: the builder captures GPU graphs")
-    if args.errata is not None:  # read once, at the process's first convolution
-        os.environ["CUDNN_ERRATA_JSON_FILE"] = str(args.errata.resolve())
-
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="auk-deferred-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    # Set before the first convolution, when torch reads it; the served file is the model's default.
+    if args.errata == "none":
+        errata = cache / "no-errata.json"
+        errata.write_text(json.dumps({"version": 1, "rules": []}))  # an empty file would not parse
+        os.environ[ERRATA_ENV] = str(errata)
+    elif args.errata != "served":
+        os.environ[ERRATA_ENV] = str(Path(args.errata).resolve())
     use_compile_cache(cache)
     say(heading("One client's decodes beside the decoder's deferred builder", "cuda", f", cache {cache}"))
     say(f"build {args.build}, serving stream {args.serving_stream}, errata {args.errata}")

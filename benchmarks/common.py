@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
+from auk_triton.codec.cudnn_timing import time_convolutions
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
@@ -97,11 +98,14 @@ def recipes(base_steps: int = 32) -> dict[str, dict]:
 def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:
     """`AuKVAE.configure_decoder`'s options as the decode models use them by default: on a GPU
     the fused activation kernel with its launch for that precision, channels-last signals and the
-    default precision (`precision`: fp16 or tf32). For fp16 it also turns on
-    cudnn.benchmark, as the models do."""
+    default precision (`precision`: fp16 or tf32). For fp16 it also turns on cuDNN's
+    timing with the decoder's errata file, as the models do."""
     if device != "cuda":
         return {}
-    torch.backends.cudnn.benchmark = precision == "fp16"
+    if precision == "fp16":
+        time_convolutions()
+    else:
+        torch.backends.cudnn.benchmark = False
     dtype = torch.float16 if precision == "fp16" else torch.float32
     return {"activation_kernel": activation_kernel_for(dtype), "channels_last": True, "dtype": dtype}
 

@@ -27,6 +27,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph, activation_kernel_for
+from auk_triton.codec.cudnn_timing import time_convolutions
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.cuda_graph import BuildReport
 
@@ -214,9 +215,9 @@ class TritonPythonModel:
         if precision == "fp16":
             # cuDNN times its algorithms per shape (at load, where the graphs are captured):
             # its heuristics pick a slow direct kernel for some dilated fp16 convolutions.
-            torch.backends.cudnn.benchmark = True
+            errata = time_convolutions()
             log("info", f"{self.name}: decoding in fp16 (fp16 weights and signals, fp32 accumulation "
-                        "and activations; cuDNN benchmarks its convolution algorithms)")
+                        f"and activations; cuDNN benchmarks its convolution algorithms, errata {errata})")
         else:
             log("info", f"{self.name}: decoding in tf32 (fp32 weights and signals, TF32 convolutions)")
         dtype = torch.float16 if precision == "fp16" else torch.float32
