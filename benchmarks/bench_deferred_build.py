@@ -13,9 +13,10 @@ interpreter's lock; a thread that sleeps 2 ms at a time says how late it wakes (
 Each run is one process (cuDNN keeps its algorithm choices per process, and per thread). The
 options are experiments that need no change to the product: cuDNN's heuristics in place of
 its timing for the whole build, the client's decodes on a stream of their own, another errata
-file than the decoder's (codec/cudnn_timing.py), or none (`--errata none`). `--profile` records the GPU's kernels for 2.5 s from the start
-of the builder's largest batched graph and prints what other streams ran in the serving
-stream's longest gaps. Weights are a seeded synthetic checkpoint (not real audio).
+file than the decoder's (codec/cudnn_timing.py), or none (`--errata none`). `--profile`
+records the GPU's kernels for 2.5 s from the start of the builder's largest batched graph
+and prints what other streams ran in the serving stream's longest gaps. Weights are a
+seeded synthetic checkpoint (not real audio).
 
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_deferred_build.py --cache-dir /tmp/deferred
 """

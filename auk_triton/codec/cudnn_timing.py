@@ -7,8 +7,8 @@ on a batched shape is a single kernel that fills every SM for tens of millisecon
 decoder times the batched shapes after READY, beside the requests it serves (decode_graph's
 deferred build), and a decode queued behind such a kernel waited for all of it
 (benchmarks/studies/startup.md). cuDNN's frontend skips the engines named in its errata file,
-`CUDNN_ERRATA_JSON_FILE`, both when it times and when it picks by heuristics; torch reads
-the file once per process, at its first convolution, so this is set before any.
+`CUDNN_ERRATA_JSON_FILE`; torch reads the file once per process, at its first convolution,
+so this is set before any.
 """
 
 from __future__ import annotations
