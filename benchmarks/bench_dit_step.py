@@ -4,7 +4,7 @@ The released dims (1.53 B parameters) with seeded synthetic weights built in
 memory (nothing written to disk), bf16 weights under bf16 autocast as served,
 `--frames` target frames and `--tokens` text tokens, no reference, batches of
 `--batches` unguided rows. The context is masked as a bucketed run's is (a
-target mask, boolean key masks) unless `--unmasked`. Three steps on the same
+target mask, additive key biases) unless `--unmasked`. Three steps on the same
 inputs, each captured as a CUDA graph and timed by its replays:
 
 - `eager, per-step modulation`: the step computing its AdaLN modulation from its
@@ -14,7 +14,10 @@ inputs, each captured as a CUDA graph and timed by its replays:
   `--static` for a compilation per shape instead of dynamic shapes);
 - with `--fp8`, `compiled, table, FP8 linears`: the compiled step of a copy of the
   model whose token linears are FP8 (fp8.py, the `fp8_linears` option), its velocity
-  against the same eager bf16 step.
+  against the same eager bf16 step;
+- with `--compare-norm-rope-kernel`, `compiled, table, Inductor's norms and RoPE`: the
+  compiled step without the q/k norm and RoPE kernel (norm_rope_kernel.py), as
+  Inductor fuses the eager ops, for a ratio in the same run.
 
 Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
 work by torch's FlopCounterMode over that time), the relative L2 of its velocity
@@ -56,6 +59,7 @@ import argparse
 import ast
 import contextlib
 import copy
+import dataclasses
 import gc
 import random
 import statistics
@@ -80,6 +84,7 @@ from common import compile_time_breakdown, heading, median_ms, rel_l2, say
 
 PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
 FP8_PATH = "compiled, table, FP8 linears"
+INDUCTOR_NORM_ROPE_PATH = "compiled, table, Inductor's norms and RoPE"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -104,9 +109,9 @@ def step_inputs(model, batch: int, frames: int, tokens: int, masked: bool, devic
     return x, ctx, t, table
 
 
-def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=None):
-    """The three steps (and the FP8 model's compiled one), each a function of static buffers
-    (what a graph captures)."""
+def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=None, inductor_norm_rope=None):
+    """The three steps (and the FP8 model's compiled one, and the compiled one through the blocks
+    `inductor_norm_rope`), each a function of static buffers (what a graph captures)."""
     x = x.clone()
     t_device = t.to(device)
     mod = table.lookup(t).clone()
@@ -127,9 +132,15 @@ def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=Non
         with autocast(device, dtype):
             return fp8_model.velocity(x, mod, ctx, blocks)
 
+    def compiled_inductor_norm_rope():
+        with autocast(device, dtype):
+            return model.velocity(x, mod, ctx, inductor_norm_rope)
+
     steps = dict(zip(PATHS, (per_step, eager, compiled)))
     if fp8_model is not None:
         steps[FP8_PATH] = compiled_fp8
+    if inductor_norm_rope is not None:
+        steps[INDUCTOR_NORM_ROPE_PATH] = compiled_inductor_norm_rope
     return steps
 
 
@@ -167,6 +178,7 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
 # reductions).
 KERNEL_KINDS = (
     ("Inductor's fused kernels", ("triton_",)),
+    ("q/k norm and RoPE kernel", ("norm_rope",)),
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("convolutions", ("fprop", "conv")),
     ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
@@ -181,7 +193,7 @@ def kernel_kind(name: str) -> str:
     return "elementwise, norms, copies, casts"
 
 
-def kernel_profile(fn, calls: int = 5, top: int = 8) -> list[str]:
+def kernel_profile(fn, calls: int = 5, top: int = 12) -> list[str]:
     """Where one step's GPU time goes: torch's profiler over `calls` calls of `fn` (not graphed:
     a graph replays the same kernels), per step. Markdown lines."""
     fn()
@@ -419,6 +431,8 @@ def main() -> None:
     parser.add_argument("--no-whole-runs", action="store_true", help="skip the whole flash and base runs")
     parser.add_argument("--fp8", action="store_true",
                         help="also the compiled step and the whole runs with the token linears in FP8")
+    parser.add_argument("--compare-norm-rope-kernel", action="store_true",
+                        help="also the compiled step without the q/k norm and RoPE kernel")
     parser.add_argument("--request", action="store_true",
                         help="only where one flash request's time goes in the sampler, phase by phase (GPU)")
     parser.add_argument("--open-loop", type=float, nargs="+", default=None, metavar="RATE",
@@ -461,6 +475,9 @@ def main() -> None:
     if args.inductor:
         say(f"Inductor options: {' '.join(args.inductor)}")
     blocks = compiled_blocks(options)
+    inductor_norm_rope = None
+    if args.compare_norm_rope_kernel:
+        inductor_norm_rope = compiled_blocks(dataclasses.replace(options, norm_rope_kernel=False))
     profiles = {}
     fp8_model = None
     if args.fp8:
@@ -472,10 +489,11 @@ def main() -> None:
     with torch.inference_mode():
         for batch in args.batches:
             x, ctx, t, table = step_inputs(model, batch, frames, tokens, not args.unmasked, device, dtype)
-            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model)
+            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model, inductor_norm_rope)
             # The compiled step does the eager step's work; the per-step modulation adds its linears.
             work = step_flops(fns[PATHS[1]])
-            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work, FP8_PATH: work}
+            flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work, FP8_PATH: work,
+                     INDUCTOR_NORM_ROPE_PATH: work}
             say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
                 f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
             results = {name: measure(fn, device, iters) for name, fn in fns.items()}
@@ -484,8 +502,9 @@ def main() -> None:
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
             if args.profile and device.type == "cuda":
-                for name in (PATHS[2], FP8_PATH) if fp8_model is not None else (PATHS[2],):
-                    profiles[(batch, name)] = kernel_profile(fns[name])
+                for name in (PATHS[2], FP8_PATH, INDUCTOR_NORM_ROPE_PATH):
+                    if name in fns:
+                        profiles[(batch, name)] = kernel_profile(fns[name])
 
     say()
     say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")

@@ -32,7 +32,13 @@ from pathlib import Path
 import torch
 
 from .precompiled import PrecompiledFunction
-from .transformer import BlockRunners, run_double_block, run_single_block
+from .transformer import (
+    BlockRunners,
+    run_double_block,
+    run_double_block_norm_rope_kernel,
+    run_single_block,
+    run_single_block_norm_rope_kernel,
+)
 
 # Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
 # past its recompile limit it runs the function eagerly from then on, silently.
@@ -49,6 +55,10 @@ class CompileOptions:
     # traced on every start. Dynamic shapes only (per-shape traces would be one file a shape),
     # and not with the "eager" backend, whose traces cannot be saved.
     traces_dir: Path | None = None
+    # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
+    # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops. A CPU
+    # runs them as the eager step does either way.
+    norm_rope_kernel: bool = True
 
 
 def compiled_blocks(options: CompileOptions) -> BlockRunners:
@@ -64,12 +74,25 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
+    double, single = run_double_block, run_single_block
+    if options.norm_rope_kernel and _triton_available():
+        # Imported here: its ops are registered before a saved trace that calls them is loaded.
+        from . import norm_rope_kernel  # noqa: F401
+
+        double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
-        return BlockRunners(double=PrecompiledFunction(run_double_block, folder, compile_kw),
-                            single=PrecompiledFunction(run_single_block, folder, compile_kw))
-    return BlockRunners(double=torch.compile(run_double_block, **compile_kw),
-                        single=torch.compile(run_single_block, **compile_kw))
+        return BlockRunners(double=PrecompiledFunction(double, folder, compile_kw),
+                            single=PrecompiledFunction(single, folder, compile_kw))
+    return BlockRunners(double=torch.compile(double, **compile_kw), single=torch.compile(single, **compile_kw))
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def traces_note(blocks: BlockRunners) -> str | None:

@@ -233,14 +233,28 @@ def _heads(qkv: torch.Tensor, heads: int):
     return qkv.unflatten(-1, (3, heads, -1)).unbind(2)
 
 
-def _attend(q, k, v, keys):
-    """q, k, v [B, N, H, Dh] -> [B, N, H * Dh]; `keys` a boolean [B, 1, 1, K] (True: attend) or None.
+def _attend(q, k, v, key_bias):
+    """q, k, v [B, N, H, Dh] -> [B, N, H * Dh]; `key_bias` [B, 1, 1, K] additive (0: attend,
+    -inf: a padded key) in q's dtype, or None.
 
-    A boolean key mask rather than an additive bias: the fused kernels take it as it
-    is (a -inf bias in the inputs' dtype is what they make of it), where an fp32 bias
-    needed a cast per call and kept some of them out."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys)
+    The bias is made once per request (`key_bias`): a boolean mask, the fused kernels
+    turn into this bias at every call, and an fp32 bias they cast at every call."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=key_bias)
     return out.transpose(1, 2).flatten(2)
+
+
+def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Valid keys, bool [B, K] -> the attention's additive bias [B, 1, 1, K] in `dtype`: 0 where a
+    key is valid, -inf where it is padding (exactly a boolean mask's effect)."""
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def _norm_eps(norm: nn.RMSNorm) -> float:
+    """An RMSNorm's epsilon as torch applies it: None is float32's (the computation dtype of
+    bf16, fp16 and fp32 inputs alike)."""
+    return norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
 
 
 def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -263,11 +277,19 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(dim_head)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x, rope, keys, mask):
-        q, k, v = _heads(self.to_qkv(x), self.heads)
-        q = rotate(self.q_norm(q), *rope)
-        k = rotate(self.k_norm(k), *rope)
-        return _zero_padded_rows(self.to_out[0](_attend(q, k, v, keys)), mask)
+    def forward(self, x, rope, key_bias, mask, norm_rope_kernel: bool = False):
+        qkv = self.to_qkv(x)
+        if norm_rope_kernel and qkv.is_cuda:
+            from .norm_rope_kernel import norm_rope_qk
+
+            q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
+                                _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
+            v = _heads(qkv, self.heads)[2]
+        else:
+            q, k, v = _heads(qkv, self.heads)
+            q = rotate(self.q_norm(q), *rope)
+            k = rotate(self.k_norm(k), *rope)
+        return _zero_padded_rows(self.to_out[0](_attend(q, k, v, key_bias)), mask)
 
 
 class JointAttention(Attention):
@@ -283,14 +305,22 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head)
         self.to_out_c = nn.Linear(inner, dim)
 
-    def forward(self, a, c, rope_a, rope_c, keys, audio_mask, c_mask):
-        qa, ka, va = _heads(self.to_qkv(a), self.heads)
-        qc, kc, vc = _heads(self.to_qkv_c(c), self.heads)
-        # Joined along the sequence axis of [B, N, H, Dh]: one copy each, already in the kernel's layout.
-        q = torch.cat([rotate(self.q_norm(qa), *rope_a), rotate(self.c_q_norm(qc), *rope_c)], dim=1)
-        k = torch.cat([rotate(self.k_norm(ka), *rope_a), rotate(self.c_k_norm(kc), *rope_c)], dim=1)
-        v = torch.cat([va, vc], dim=1)
-        out = _attend(q, k, v, keys)
+    def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, norm_rope_kernel: bool = False):
+        qkv_a, qkv_c = self.to_qkv(a), self.to_qkv_c(c)
+        if norm_rope_kernel and qkv_a.is_cuda:
+            from .norm_rope_kernel import joint_norm_rope_qkv
+
+            q, k, v = joint_norm_rope_qkv(qkv_a, qkv_c, self.q_norm.weight, self.k_norm.weight,
+                                          self.c_q_norm.weight, self.c_k_norm.weight, *rope_a, *rope_c,
+                                          _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
+        else:
+            qa, ka, va = _heads(qkv_a, self.heads)
+            qc, kc, vc = _heads(qkv_c, self.heads)
+            # Joined along the sequence axis of [B, N, H, Dh]: one copy each, already in the kernel's layout.
+            q = torch.cat([rotate(self.q_norm(qa), *rope_a), rotate(self.c_q_norm(qc), *rope_c)], dim=1)
+            k = torch.cat([rotate(self.k_norm(ka), *rope_a), rotate(self.c_k_norm(kc), *rope_c)], dim=1)
+            v = torch.cat([va, vc], dim=1)
+        out = _attend(q, k, v, key_bias)
         na = a.shape[1]
         out_a = _zero_padded_rows(self.to_out[0](out[:, :na]), audio_mask)
         out_c = _zero_padded_rows(self.to_out_c(out[:, na:]), c_mask)
@@ -308,11 +338,12 @@ class DoubleStreamBlock(nn.Module):
         self.ff_norm_x = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff_x = FeedForward(dim, ff_hidden)
 
-    def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext"):
+    def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext", norm_rope_kernel: bool = False):
         """mod_c, mod_x: attn_norm_c's and attn_norm_x's modulations at this step's time."""
         c_in, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.attn_norm_c.modulate(c, mod_c)
         a_in, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = self.attn_norm_x.modulate(a, mod_x)
-        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_keys, ctx.audio_mask, ctx.c_mask)
+        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
+                           norm_rope_kernel)
         c = c + c_gate_msa * dc
         c = _ff_update(c, self.ff_c, self.ff_norm_c, c_shift_mlp, c_scale_mlp, c_gate_mlp)
         a = a + a_gate_msa * da
@@ -328,9 +359,9 @@ class SingleStreamBlock(nn.Module):
         self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff = FeedForward(dim, ff_hidden)
 
-    def forward(self, h, mod, ctx: "DiTContext"):
+    def forward(self, h, mod, ctx: "DiTContext", norm_rope_kernel: bool = False):
         h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulate(h, mod)
-        h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_keys, ctx.single_mask)
+        h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, norm_rope_kernel)
         return _ff_update(h, self.ff, self.ff_norm, shift_mlp, scale_mlp, gate_mlp)
 
 
@@ -340,6 +371,16 @@ def run_double_block(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
 
 def run_single_block(block: SingleStreamBlock, h, mod, ctx):
     return block(h, mod, ctx)
+
+
+# The same with the attention's q/k norms and RoPE (and the joint join) in one Triton kernel
+# per block on a GPU (norm_rope_kernel.py): what the compiled blocks run there.
+def run_double_block_norm_rope_kernel(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
+    return block(a, c, mod_c, mod_x, ctx, norm_rope_kernel=True)
+
+
+def run_single_block_norm_rope_kernel(block: SingleStreamBlock, h, mod, ctx):
+    return block(h, mod, ctx, norm_rope_kernel=True)
 
 
 @dataclass(frozen=True)
@@ -394,8 +435,10 @@ class DiTContext:
     c_mask: torch.Tensor | None  # [B', nt]
     audio_mask: torch.Tensor | None  # [B', np + n]
     single_mask: torch.Tensor | None  # [B', nt + np + n]
-    joint_keys: torch.Tensor | None  # bool [B', 1, 1, np + n + nt]: the joint attention's valid keys
-    single_keys: torch.Tensor | None  # bool [B', 1, 1, nt + np + n]
+    # The attention's additive key bias (key_bias), in its inputs' dtype: [B', 1, 1, np + n + nt]
+    # for the joint attention, [B', 1, 1, nt + np + n] for the single blocks'.
+    joint_bias: torch.Tensor | None
+    single_bias: torch.Tensor | None
     # (cos, sin), each [B' or 1, L, 1, Dh]: shaped for heads laid out [B, L, H, Dh]
     rope_audio: tuple[torch.Tensor, torch.Tensor]
     rope_text: tuple[torch.Tensor, torch.Tensor]
@@ -410,7 +453,7 @@ class DiTContext:
         return replace(
             self,
             c=cut(self.c), prompt=cut(self.prompt), c_mask=cut(self.c_mask), audio_mask=cut(self.audio_mask),
-            single_mask=cut(self.single_mask), joint_keys=cut(self.joint_keys), single_keys=cut(self.single_keys),
+            single_mask=cut(self.single_mask), joint_bias=cut(self.joint_bias), single_bias=cut(self.single_bias),
             target_mask=None if self.target_mask is None else self.target_mask[: rows // self.copies],
             rope_audio=tuple(map(cut, self.rope_audio)), rope_text=tuple(map(cut, self.rope_text)),
             rope_single=tuple(map(cut, self.rope_single)),
@@ -518,10 +561,13 @@ class AuKTransformer(nn.Module):
             audio_mask = torch.cat([ref_mask if ref_mask is not None else ones(np_),
                                     mask if mask is not None else ones(n)], dim=1)
         single_mask = None if audio_mask is None else torch.cat([c_mask, audio_mask], dim=1)
-        joint_keys = single_keys = None
+        joint_bias = single_bias = None
         if self.attn_mask_enabled and audio_mask is not None:
-            joint_keys = torch.cat([audio_mask, c_mask], dim=1)[:, None, None, :]
-            single_keys = single_mask[:, None, None, :]
+            # In the dtype the attention will see: autocast's where prepare runs under it, as the steps do.
+            dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                     else self.proj_out.weight.dtype)
+            joint_bias = key_bias(torch.cat([audio_mask, c_mask], dim=1), dtype)
+            single_bias = key_bias(single_mask, dtype)
 
         rope = self.rotary_embed.tables
         return DiTContext(
@@ -533,8 +579,8 @@ class AuKTransformer(nn.Module):
             c_mask=_repeat_rows(c_mask, copies),
             audio_mask=_repeat_rows(audio_mask, copies),
             single_mask=_repeat_rows(single_mask, copies),
-            joint_keys=_repeat_rows(joint_keys, copies),
-            single_keys=_repeat_rows(single_keys, copies),
+            joint_bias=_repeat_rows(joint_bias, copies),
+            single_bias=_repeat_rows(single_bias, copies),
             rope_audio=_rope_for_heads(rope(np_ + n, audio_mask, device), copies),
             rope_text=_rope_for_heads(rope(nt, c_mask, device), copies),
             rope_single=_rope_for_heads(rope(nt + np_ + n, single_mask, device), copies),

@@ -68,7 +68,7 @@ def test_an_unpadded_batch_takes_no_masks_and_each_row_keeps_its_own_noise(sampl
     step = sampler.model.step
     monkeypatch.setattr(sampler.model, "step", lambda x, t, ctx: contexts.append(ctx) or step(x, t, ctx))
     rows = sampler.generate_batch([sampler.plan(r) for r in requests])
-    assert all(c.joint_keys is None and c.target_mask is None for c in contexts)
+    assert all(c.joint_bias is None and c.target_mask is None for c in contexts)
     assert [c.c.shape[0] for c in contexts] == [2, 2], "one forward of both rows per step"
     monkeypatch.undo()
     assert max_error(rows[0], sampler.generate(requests[0])) < TOLERANCE

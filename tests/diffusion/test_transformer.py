@@ -6,14 +6,17 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from auk_triton.diffusion.transformer import (
     AuKTransformer,
     CheckpointError,
     RotaryEmbedding,
+    _attend,
     apply_rotary,
     build_transformer,
+    key_bias,
     load_transformer,
     timestep_features,
 )
@@ -286,14 +289,27 @@ def test_a_step_that_looks_its_time_up_equals_the_step_that_computes_it(small_mo
 
 
 @torch.no_grad()
-def test_padding_reaches_the_attention_as_a_boolean_key_mask(small_model):
+def test_padding_reaches_the_attention_as_an_additive_key_bias_in_its_dtype(small_model):
     text, ref = torch.randn(1, 4, 2048), torch.randn(1, 3, 64)
     mask = torch.tensor([[True] * 5 + [False] * 2])
     ctx = small_model.prepare(text, 7, ref=ref, mask=mask, cfg_infer=True)
-    assert ctx.joint_keys.dtype == torch.bool and ctx.joint_keys.shape == (2, 1, 1, 3 + 7 + 4)
-    assert ctx.joint_keys[0, 0, 0].tolist() == [True] * 8 + [False] * 2 + [True] * 4  # [audio | text]
-    assert ctx.single_keys[1, 0, 0].tolist() == [True] * 4 + [True] * 8 + [False] * 2  # [text | audio]
-    assert small_model.prepare(text, 7).joint_keys is None  # nothing padded, no mask
+    inf = float("-inf")
+    assert ctx.joint_bias.dtype == torch.float32 and ctx.joint_bias.shape == (2, 1, 1, 3 + 7 + 4)
+    assert ctx.joint_bias[0, 0, 0].tolist() == [0.0] * 8 + [inf] * 2 + [0.0] * 4  # [audio | text]
+    assert ctx.single_bias[1, 0, 0].tolist() == [0.0] * 4 + [0.0] * 8 + [inf] * 2  # [text | audio]
+    assert small_model.prepare(text, 7).joint_bias is None  # nothing padded, no mask
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the sampler prepares a GPU's runs
+        assert small_model.prepare(text, 7, ref=ref, mask=mask).single_bias.dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_the_key_bias_gives_the_attention_of_a_boolean_mask_exactly(small_model):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
+    valid = torch.tensor([[True] * 9, [True] * 6 + [False] * 3])
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=valid[:, None, None, :]).transpose(1, 2).flatten(2)
+    assert torch.equal(_attend(q, k, v, key_bias(valid, torch.float32)), expected)
 
 
 def test_the_synthetic_transformer_built_in_memory_holds_the_checkpoints_weights(checkpoint):
