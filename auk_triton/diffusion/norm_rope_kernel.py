@@ -3,8 +3,7 @@
 Eager, each block turns its q/k/v projection [B, N, 3 * H * Dh] into the attention's
 inputs in several passes: an RMSNorm per head of q and of k, RoPE on each in fp32,
 and in the double blocks a concatenation of the audio and text streams' q, k and v
-along the sequence. Compiled, Inductor fuses these into kernels that read the
-fp32 rotary tables per head and the two streams apart, at about a third of memory
+along the sequence. Compiled, Inductor fused these into kernels well below memory
 bandwidth (benchmarks/studies/dit-step-kernels.md). Here a program owns one token:
 it reads the token's q and k once, normalises and rotates every head in registers
 and writes them where the attention reads them, [B, N, H, Dh] (the joint sequence
@@ -16,8 +15,7 @@ fused RMSNorm does; RoPE in fp32 on that rounded value, rounded once at the stor
 Only the order of the fp32 sum of squares and the fused multiply-adds differ.
 
 The rotary tables are the model's (`DiTContext.rope_*`): fp32, [B' or 1, L, 1, Dh]
-with each angle repeated for its pair (GPT-J layout); the kernel reads every second
-entry. The op is a torch custom op with a fake implementation, opaque to Inductor
+with each angle repeated for its pair (GPT-J layout), read through their strides. The op is a torch custom op with a fake implementation, opaque to Inductor
 (as the decoder's activation kernel is), so `torch.compile` traces through it and
 CUDA graphs capture it. Under `TRITON_INTERPRET=1` (tests on a CPU) it runs in
 Triton's interpreter.
@@ -90,6 +88,9 @@ def _table_strides(table: torch.Tensor) -> tuple[int, int]:
 
 def _launch(q, k, v, qkv_a, qkv_c, weights, rope_a, rope_c, eps_q, eps_k, heads):
     rows, n_first = qkv_a.shape[:2]
+    for tensor in (qkv_a, qkv_c, *rope_a, *(rope_c or ())):
+        if tensor is not None and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+            raise ValueError("the norm and RoPE kernel reads projections and rotary tables with unit last stride")
     n_tokens = q.shape[1]
     if rows == 0 or n_tokens == 0:
         return
