@@ -56,8 +56,8 @@ class CompileOptions:
     # and not with the "eager" backend, whose traces cannot be saved.
     traces_dir: Path | None = None
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
-    # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops. A CPU
-    # runs them as the eager step does either way.
+    # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops, for heads
+    # of a power-of-two width. A CPU runs them as the eager step does either way.
     norm_rope_kernel: bool = True
 
 

@@ -237,8 +237,8 @@ def _attend(q, k, v, key_bias):
     """q, k, v [B, N, H, Dh] -> [B, N, H * Dh]; `key_bias` [B, 1, 1, K] additive (0: attend,
     -inf: a padded key) in q's dtype, or None.
 
-    The bias is made once per request (`key_bias`): a boolean mask, the fused kernels
-    turn into this bias at every call, and an fp32 bias they cast at every call."""
+    The bias is made once per run (`key_bias`): a boolean mask would be turned into it at
+    every call, and an fp32 bias cast at every call."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=key_bias)
     return out.transpose(1, 2).flatten(2)
@@ -255,6 +255,13 @@ def _norm_eps(norm: nn.RMSNorm) -> float:
     """An RMSNorm's epsilon as torch applies it: None is float32's (the computation dtype of
     bf16, fp16 and fp32 inputs alike)."""
     return norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+
+
+def _norm_rope_kernel_fits(qkv: torch.Tensor, norm: nn.RMSNorm) -> bool:
+    """Whether norm_rope_kernel.py runs for these heads: on a GPU, heads of a power-of-two width
+    (a Triton block's); other heads take the eager ops."""
+    width = norm.normalized_shape[0]
+    return qkv.is_cuda and width & (width - 1) == 0
 
 
 def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -279,7 +286,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, key_bias, mask, norm_rope_kernel: bool = False):
         qkv = self.to_qkv(x)
-        if norm_rope_kernel and qkv.is_cuda:
+        if norm_rope_kernel and _norm_rope_kernel_fits(qkv, self.q_norm):
             from .norm_rope_kernel import norm_rope_qk
 
             q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
@@ -307,7 +314,7 @@ class JointAttention(Attention):
 
     def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, norm_rope_kernel: bool = False):
         qkv_a, qkv_c = self.to_qkv(a), self.to_qkv_c(c)
-        if norm_rope_kernel and qkv_a.is_cuda:
+        if norm_rope_kernel and _norm_rope_kernel_fits(qkv_a, self.q_norm):
             from .norm_rope_kernel import joint_norm_rope_qkv
 
             q, k, v = joint_norm_rope_qkv(qkv_a, qkv_c, self.q_norm.weight, self.k_norm.weight,
