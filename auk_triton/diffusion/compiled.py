@@ -75,24 +75,19 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
     double, single = run_double_block, run_single_block
-    if options.norm_rope_kernel and _triton_available():
-        # Imported here: its ops are registered before a saved trace that calls them is loaded.
-        from . import norm_rope_kernel  # noqa: F401
+    if options.norm_rope_kernel:
+        try:
+            # Imported here: its ops are registered before a saved trace that calls them is loaded.
+            from . import norm_rope_kernel  # noqa: F401
 
-        double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
+            double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
+        except ImportError:  # no triton (CPU torch wheels): the eager ops
+            pass
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
         return BlockRunners(double=PrecompiledFunction(double, folder, compile_kw),
                             single=PrecompiledFunction(single, folder, compile_kw))
     return BlockRunners(double=torch.compile(double, **compile_kw), single=torch.compile(single, **compile_kw))
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def traces_note(blocks: BlockRunners) -> str | None:

@@ -15,9 +15,10 @@ fused RMSNorm does; RoPE in fp32 on that rounded value, rounded once at the stor
 Only the order of the fp32 sum of squares and the fused multiply-adds differ.
 
 The rotary tables are the model's (`DiTContext.rope_*`): fp32, [B' or 1, L, 1, Dh]
-with each angle repeated for its pair (GPT-J layout), read through their strides. The op is a torch custom op with a fake implementation, opaque to Inductor
-(as the decoder's activation kernel is), so `torch.compile` traces through it and
-CUDA graphs capture it. Under `TRITON_INTERPRET=1` (tests on a CPU) it runs in
+with each angle repeated for its pair (GPT-J layout), read through their strides. The
+op is a torch custom op with a fake implementation, opaque to Inductor (as the
+decoder's activation kernel is), so `torch.compile` traces through it and CUDA graphs
+capture it. Under `TRITON_INTERPRET=1` (tests on a CPU) it runs in
 Triton's interpreter.
 """
 
