@@ -77,10 +77,10 @@ from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
 from auk_triton.diffusion.fp8 import check_fp8_support, use_fp8_linears
 from auk_triton.diffusion.buckets import ShapeBuckets
 from auk_triton.diffusion.joined import JoinedRuns
-from auk_triton.diffusion.sampler import DEFAULTS, AuKDiTSampler, Request, euler_integrate
+from auk_triton.diffusion.sampler import AuKDiTSampler, Request, euler_integrate
 from auk_triton.diffusion.synthetic import FLASH_T_GRID, synthetic_transformer
 from auk_triton.serving.config import DiTSettings, use_compile_cache
-from common import compile_time_breakdown, heading, median_ms, rel_l2, say
+from common import compile_time_breakdown, heading, median_ms, rel_l2, sampler_config, say
 
 PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
 FP8_PATH = "compiled, table, FP8 linears"
@@ -238,11 +238,6 @@ def set_inductor_options(pairs) -> None:
         if not hasattr(target, leaf):
             sys.exit(f"--inductor: torch._inductor.config has no {key}")
         setattr(target, leaf, ast.literal_eval(value))
-
-
-def sampler_config(model, variant: str = "base") -> dict:
-    return {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
-            "defaults": DEFAULTS}
 
 
 def whole_runs(model, frames: int, tokens: int, device, dtype, options: CompileOptions,

@@ -30,7 +30,8 @@ from auk_triton.codec import DEFAULT_COMPILE_SHAPES, AuKVAE, AuKVAEDecodeGraph, 
 from auk_triton.codec.cudnn_timing import time_convolutions
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
-from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+from auk_triton.diffusion.sampler import DEFAULTS
+from auk_triton.diffusion.synthetic import FLASH_T_GRID, write_synthetic_dit_checkpoint
 from auk_triton.serving.config import GPU_DECODE_PRECISION, DecodeSettings
 from auk_triton.serving.readiness import BUILD_AFTER_READY, BUILT_AFTER_READY
 
@@ -93,6 +94,12 @@ def recipes(base_steps: int = 32) -> dict[str, dict]:
     (a flash checkpoint, its fixed 4-step recipe: no knob) and `base` (`base_steps` Euler
     steps, classifier-free guidance 2, the default sway)."""
     return {"flash": {}, "base": dict(num_steps=base_steps, guidance=2.0, sway=-1.0)}
+
+
+def sampler_config(model, variant: str = "base") -> dict:
+    """The sampler's config for a DiT built in memory: the checkpoint's as the synthetic one writes it."""
+    return {"vae": {"latent_dim": model.latent_dim}, "variant": variant, "flash_t_grid": FLASH_T_GRID,
+            "defaults": DEFAULTS}
 
 
 def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -> dict:

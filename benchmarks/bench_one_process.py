@@ -1,0 +1,405 @@
+r"""The DiT and the streaming decoder in one process, against each in a process of its own.
+
+Served, `auk_dit` and `auk_vae_decode` are two Python-backend processes: two CUDA contexts,
+which the GPU serves in turns (benchmarks/studies/dit-joined-steps.md). This script serves
+flash requests without Triton in each layout below, one after the other: each request is
+sampled as auk_dit's sampling thread samples it (rows joining their bucket's run between
+steps, compiled and graphed) and its latents decoded as auk_vae_decode's tile scheduler
+decodes them (its buckets and batched graphs, built before the first request); a sink notes
+when each tile is handed over.
+
+- `two processes`: the decoder in a child process, the latents passed to it through a queue,
+  as the pipeline's ensemble passes them from one model to the other;
+- `one process`: the sampling thread and the scheduler's thread in this process, each
+  queuing on a stream of its own, of the same priority;
+- `one process, decode first`: the same, the scheduler's stream at the device's highest
+  priority and the sampler's at its lowest, so the decoder's kernels go first whenever both
+  wait for the GPU.
+
+Per layout: one client's first audio (requests 100 ms apart); the capacity, `--clients`
+closed-loop clients for `--closed-seconds`; then Poisson arrivals at `--load` of that
+capacity for `--duration` s. First audio runs from a request's arrival to its first tile on
+the host: no client, transport or front door. "Late tiles" are the tiles the scheduler handed
+over after the audio before them had run out (underruns); "backlog" the requests in flight
+when the arrivals end.
+
+Weights are seeded synthetic ones in the released dims: the audio is not real.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_one_process.py --cache-dir /tmp/one-process
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_one_process.py --small   # smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import multiprocessing
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph
+from auk_triton.diffusion.buckets import ShapeBuckets
+from auk_triton.diffusion.compiled import CompileOptions
+from auk_triton.diffusion.joined import JoinedRuns, to_device
+from auk_triton.diffusion.sampler import AuKDiTSampler, Request
+from auk_triton.diffusion.synthetic import synthetic_transformer
+from auk_triton.serving.config import DecodeSettings, DiTSettings, use_compile_cache
+from auk_triton.serving.sampling_thread import SamplingThread
+from auk_triton.serving.scheduler import Job, TileScheduler
+from common import heading, percentile, sampler_config, say, served_graph, synthetic_checkpoint
+
+LAYOUTS = ("two processes", "one process", "one process, decode first")
+ONE_CLIENT_GAP_S = 0.1
+HIGHEST_PRIORITY = -100  # CUDA: a lower number is a higher priority
+CAPACITY_SETTLE_S = 2.0  # the closed loop's first seconds, not counted
+DRAIN_TIMEOUT_S = 60.0
+
+
+# ---- the decoder's side: a tile scheduler whose sinks report to a queue ----------------------
+
+
+class ReportingSink:
+    """A request's tiles: the first one's and the last one's hand-over times go to `events`."""
+
+    def __init__(self, request_id: int, events):
+        self.request_id, self.events, self.first = request_id, events, True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def tile(self, start_sample: int, samples: torch.Tensor, last: bool) -> None:
+        now = time.monotonic()
+        if self.first:
+            self.events.put(("first", self.request_id, now))
+            self.first = False
+        if last:
+            self.events.put(("done", self.request_id, now))
+
+    def fail(self, error: Exception) -> None:
+        self.events.put(("error", self.request_id, f"{type(error).__name__}: {error}"))
+
+    def stop(self) -> None:
+        self.events.put(("error", self.request_id, "stopped"))
+
+
+def build_decoder(checkpoint: Path, device: torch.device) -> AuKVAEDecodeGraph:
+    """The decoder as auk_vae_decode builds it (on a CPU: uncompiled, no graphs)."""
+    if device.type == "cuda":
+        return served_graph(checkpoint, DecodeSettings())
+    return AuKVAEDecodeGraph(AuKVAE.from_pretrained(checkpoint, device=device), enabled=False,
+                             tile_frames=DecodeSettings().tile_frames)
+
+
+def stream_of(device: torch.device, first: bool) -> torch.cuda.Stream | None:
+    """A stream of its own: at the device's highest priority when `first`, else at its default
+    (CUDA's lowest); none on a CPU."""
+    if device.type != "cuda":
+        return None
+    # torch maps a priority past the device's range to the range's end.
+    return torch.cuda.Stream(device, priority=HIGHEST_PRIORITY if first else 0)
+
+
+class Decoding:
+    """A tile scheduler whose thread queues its decodes on `stream`; `graph` is built on that
+    thread first when `build` (the model builds its graphs on the scheduler's thread)."""
+
+    def __init__(self, graph: AuKVAEDecodeGraph, device: torch.device, events, stream, build: bool = False):
+        self.device, self.events, self.stream = device, events, stream
+        settings = DecodeSettings()
+
+        def on_iteration(report) -> None:
+            if report.underruns:
+                events.put(("late", report.underruns, None))
+
+        def warmup() -> None:
+            if build:
+                graph.warmup(device, defer=False)
+            if stream is not None:
+                torch.cuda.set_stream(stream)  # this thread's work from here on
+
+        vae = graph.vae
+        self.scheduler = TileScheduler(graph, device, vae.sample_rate, vae.hop_size, settings.max_active_requests,
+                                       settings.max_queued_requests, on_iteration=on_iteration)
+        self.scheduler.start(warmup=warmup)
+
+    def submit(self, request_id: int, latents: torch.Tensor) -> None:
+        """Decode a request's latents [frames, C] (on the host); called from any thread. Their copy
+        to the GPU goes on the decoder's stream, not behind the caller's work."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            on_device = to_device(latents.float()[None], self.device)
+        self.scheduler.submit(Job(on_device, ReportingSink(request_id, self.events), arrived=time.monotonic()))
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def decoder_process(checkpoint: str, device: str, cache_dir: str | None, inbox, events) -> None:
+    """The child of `two processes`: builds the decoder, says "ready", decodes what arrives."""
+    if cache_dir:
+        use_compile_cache(Path(cache_dir))
+    decoding = Decoding(build_decoder(Path(checkpoint), torch.device(device)), torch.device(device), events,
+                        stream=None, build=True)
+    events.put(("ready", None, None))
+    while (item := inbox.get()) is not None:
+        request_id, latents = item
+        decoding.submit(request_id, torch.from_numpy(latents))
+    decoding.close()
+    events.put(None)
+
+
+class ChildDecoding:
+    """`two processes`: latents go to the child's queue, as numpy arrays."""
+
+    def __init__(self, checkpoint: Path, device: torch.device, cache_dir: str | None, events: queue.SimpleQueue):
+        context = multiprocessing.get_context("spawn")
+        self.inbox, child_events = context.Queue(), context.Queue()
+        self.child = context.Process(target=decoder_process, daemon=True,
+                                     args=(str(checkpoint), str(device), cache_dir, self.inbox, child_events))
+        self.child.start()
+        kind, _, _ = child_events.get()
+        assert kind == "ready", kind
+        self._forward = threading.Thread(target=self._relay, args=(child_events, events), daemon=True)
+        self._forward.start()
+
+    @staticmethod
+    def _relay(source, target) -> None:
+        while (event := source.get()) is not None:
+            target.put(event)
+
+    def submit(self, request_id: int, latents: torch.Tensor) -> None:
+        self.inbox.put((request_id, latents.float().numpy()))
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.child.join(30)
+
+
+# ---- the DiT's side ---------------------------------------------------------------------------
+
+
+class RunsOnStream:
+    """JoinedRuns whose submissions and steps are queued on `stream` (None: as they are)."""
+
+    def __init__(self, runs: JoinedRuns, stream):
+        self.runs, self.stream = runs, stream
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def submit(self, *args, **kwargs) -> None:
+        with self._on_stream():
+            self.runs.submit(*args, **kwargs)
+
+    def step(self):
+        with self._on_stream():
+            return self.runs.step()
+
+    def drain(self):
+        return self.runs.drain()
+
+
+def build_sampler(preset: str, frames: int, tokens: int, device: torch.device) -> AuKDiTSampler:
+    """auk_dit's flash sampler on the default bucket that holds the requests, built before serving."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = synthetic_transformer(preset, seed=0, device=device, dtype=dtype)
+    settings = DiTSettings()
+    shape = settings.shape_buckets().shape(tokens, frames)
+    bucket = ShapeBuckets((shape.text,), (shape.frames,), (), settings.max_batch_tokens, settings.max_batch_requests)
+    options = CompileOptions(backend="inductor" if device.type == "cuda" else "eager")
+    sampler = AuKDiTSampler(model, sampler_config(model, "flash"), device, dtype, buckets=bucket, compile=options)
+    sampler.warmup()
+    return sampler
+
+
+# ---- the load ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """What one phase of a layout's load gave."""
+
+    arrived: dict[int, float] = field(default_factory=dict)  # request -> its arrival (monotonic s)
+    first: dict[int, float] = field(default_factory=dict)  # -> its first tile
+    done: dict[int, float] = field(default_factory=dict)  # -> its last tile
+    errors: list[str] = field(default_factory=list)
+    late_tiles: int = 0
+    backlog: int = 0  # in flight when the arrivals ended
+
+    def first_audio_ms(self) -> list[float]:
+        return [(self.first[i] - self.arrived[i]) * 1e3 for i in self.first]
+
+    def in_flight(self) -> int:
+        return len(self.arrived) - len(self.done) - len(self.errors)
+
+
+class Load:
+    """Sends requests to a layout (`submit(request_id)`) and reads its events."""
+
+    def __init__(self, submit, events: queue.SimpleQueue):
+        self.submit, self.events, self.next_id = submit, events, 0
+
+    def _send(self, phase: Phase) -> None:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        phase.arrived[request_id] = time.monotonic()
+        self.submit(request_id)
+
+    def _read(self, phase: Phase, until: float, on_done=None) -> None:
+        """Record events until the monotonic time `until`."""
+        while (left := until - time.monotonic()) > 0:
+            try:
+                kind, key, value = self.events.get(timeout=left)
+            except queue.Empty:
+                return
+            if kind == "first":
+                phase.first[key] = value
+            elif kind == "done":
+                phase.done[key] = value
+                if on_done is not None:
+                    on_done(value)
+            elif kind == "error":
+                phase.errors.append(value)
+                if on_done is not None:
+                    on_done(time.monotonic())
+            elif kind == "late":
+                phase.late_tiles += key
+
+    def _drain(self, phase: Phase) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while phase.in_flight() > 0 and time.monotonic() < deadline:
+            self._read(phase, min(deadline, time.monotonic() + 0.1))
+
+    def arrivals(self, offsets: list[float]) -> Phase:
+        """Requests at these offsets (s) from now; waits until all have ended."""
+        phase, began = Phase(), time.monotonic()
+        for offset in offsets:
+            self._read(phase, began + offset)
+            self._send(phase)
+        phase.backlog = phase.in_flight()
+        self._drain(phase)
+        return phase
+
+    def closed_loop(self, clients: int, seconds: float) -> tuple[Phase, float]:
+        """`clients` requests kept in flight for `seconds`; the requests per second that ended
+        after the first CAPACITY_SETTLE_S (or half of `seconds`)."""
+        phase, began = Phase(), time.monotonic()
+        end = began + seconds
+
+        def on_done(at: float) -> None:
+            if at < end:
+                self._send(phase)
+
+        for _ in range(clients):
+            self._send(phase)
+        self._read(phase, end, on_done)
+        self._drain(phase)
+        settle = min(CAPACITY_SETTLE_S, seconds / 2)
+        counted = [at for at in phase.done.values() if began + settle <= at < end]
+        return phase, len(counted) / (seconds - settle)
+
+
+def poisson(rate: float, duration: float, seed: int) -> list[float]:
+    draws, offsets, at = random.Random(seed), [], 0.0
+    while (at := at + draws.expovariate(rate)) < duration:
+        offsets.append(at)
+    return offsets
+
+
+def summary(name: str, phase: Phase, one_client_ms: float | None = None) -> str:
+    first = phase.first_audio_ms()
+    ratio = f" ({percentile(first, 99) / one_client_ms:.2f}x one client)" if one_client_ms else ""
+    return (f"  {name}: {len(phase.done)} of {len(phase.arrived)} requests; first audio p50 "
+            f"{percentile(first, 50):.1f} / p99 {percentile(first, 99):.1f} ms{ratio}; "
+            f"{phase.late_tiles} late tiles; {len(phase.errors)} errors"
+            + (f" ({phase.errors[0]})" if phase.errors else ""))
+
+
+def run_layout(load: Load, args) -> list[str]:
+    one = load.arrivals([ONE_CLIENT_GAP_S * k for k in range(args.one_client_requests)])
+    one_ms = statistics.median(one.first_audio_ms())
+    closed, capacity = load.closed_loop(args.clients, args.closed_seconds)
+    rate = args.load * capacity
+    opened = load.arrivals(poisson(rate, args.duration, args.seed))
+    return [summary("one client", one),
+            summary(f"{args.clients} closed-loop clients", closed) + f"; {capacity:.2f} requests/s",
+            summary(f"open loop at {args.load:g} of that ({rate:.2f} requests/s, {args.duration:g} s)", opened, one_ms)
+            + f"; backlog {opened.backlog}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny presets on the CPU: a smoke test")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--seconds", type=float, default=None, help="clip seconds (default 10; 0.5 with --small)")
+    parser.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 64; 8 with --small)")
+    parser.add_argument("--one-client-requests", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=48, help="closed-loop clients for the capacity")
+    parser.add_argument("--closed-seconds", type=float, default=15.0)
+    parser.add_argument("--load", type=float, default=0.7, help="the open loop's rate, a share of the capacity")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of open-loop arrivals")
+    parser.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
+    parser.add_argument("--cache-dir", default=None, help="Inductor's and Triton's caches (default: a fresh folder)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.small else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --small for the CPU smoke test)")
+    preset = "small" if args.small else "auk"
+    seconds = args.seconds or (0.5 if args.small else 10.0)
+    tokens = args.tokens or (8 if args.small else 64)
+    cache_dir = args.cache_dir or (tempfile.mkdtemp(prefix="auk-one-process-") if device.type == "cuda" else None)
+    if cache_dir:
+        use_compile_cache(Path(cache_dir))  # before the child starts: it inherits the variables
+    say(heading(f"DiT and decoder, one process or two: flash, {seconds:g} s clips, {tokens} prompt tokens, "
+                f"{preset} presets (synthetic weights, not real audio)", device.type))
+    checkpoint = synthetic_checkpoint(Path(tempfile.mkdtemp(prefix="auk-one-process-ckpt-")), preset)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    child = ChildDecoding(checkpoint, device, cache_dir, events) if "two processes" in args.layouts else None
+    began = time.perf_counter()
+    sampler = build_sampler(preset, math.ceil(seconds * 50), tokens, device)
+    graph = build_decoder(checkpoint, device)
+    say(f"DiT built in {time.perf_counter() - began:.0f} s")
+    texts = [torch.randn(tokens, sampler.text_dim, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    runs = JoinedRuns(sampler, DiTSettings().max_batch_requests)
+    built = False
+    for layout in args.layouts:
+        if layout == "two processes":
+            decoding, dit_stream = child, None
+        else:
+            first = layout.endswith("decode first")
+            decoding = Decoding(graph, device, events, stream_of(device, first), build=not built)
+            dit_stream, built = stream_of(device, False), True
+
+        def answer(request_id, result, decoding=decoding) -> None:
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                decoding.submit(request_id, result)
+            except Exception as err:  # the sampling thread's answer must not raise
+                events.put(("error", request_id, f"{type(err).__name__}: {err}"))
+
+        sampling = SamplingThread(RunsOnStream(runs, dit_stream), answer)
+        plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
+        load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)
+        say(f"{layout}:")
+        for line in run_layout(load, args):
+            say(line)
+        sampling.stop()
+        decoding.close()
+    if sampler.graphs is not None:
+        assert sampler.graphs.request_captures == sampler.graphs.eager_runs == 0, "the runs replayed their graphs"
+
+
+if __name__ == "__main__":
+    main()

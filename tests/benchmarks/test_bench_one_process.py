@@ -1,0 +1,82 @@
+"""benchmarks/bench_one_process.py: its load policy against a stand-in layout, and its smoke test
+on a CPU with tiny presets (the figures are no measurement)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_one_process import Load  # noqa: E402
+
+
+class StandIn:
+    """A layout that hands over each request's one tile `delay_s` after it arrives, and reports
+    two late tiles with its first request; it notes how many requests it held at once."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.events = delay_s, queue.SimpleQueue()
+        self.held = self.most_held = self.requests = 0
+        self.lock = threading.Lock()
+
+    def submit(self, request_id: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+            if self.requests == 1:
+                self.events.put(("late", 2, None))
+        threading.Timer(self.delay_s, self._answer, args=(request_id,)).start()
+
+    def _answer(self, request_id: int) -> None:
+        with self.lock:
+            self.held -= 1
+        now = time.monotonic()
+        self.events.put(("first", request_id, now))
+        self.events.put(("done", request_id, now))
+
+
+def test_the_closed_loop_keeps_its_clients_requests_in_flight_and_sends_none_after_its_end():
+    layout = StandIn(0.02)
+    phase, capacity = Load(layout.submit, layout.events).closed_loop(clients=3, seconds=0.6)
+    assert layout.most_held == 3 and layout.held == 0
+    assert len(phase.done) == len(phase.arrived) == layout.requests > 3
+    assert all(phase.done[i] >= phase.arrived[i] for i in phase.done)
+    assert phase.late_tiles == 2 and not phase.errors
+    # Requests sent in the loop's time only: 3 at first, one per request that ended before its end.
+    ended_in_time = sum(at < min(phase.arrived.values()) + 0.6 for at in phase.done.values())
+    assert len(phase.arrived) <= 3 + ended_in_time
+    assert capacity > 0
+
+
+def test_open_loop_arrivals_count_the_requests_still_in_flight_when_the_arrivals_end():
+    layout = StandIn(1.0)
+    phase = Load(layout.submit, layout.events).arrivals([0.0, 0.01, 0.02])
+    assert phase.backlog == 3, "each takes a second, the arrivals end after 20 ms"
+    assert len(phase.done) == 3 and phase.in_flight() == 0
+    assert all(900 <= ms for ms in phase.first_audio_ms())
+
+
+def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_one_process.py"), "--small", "--clients", "2",
+         "--closed-seconds", "2", "--duration", "1.5", "--one-client-requests", "2"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    layouts = re.findall(r"^(two processes|one process|one process, decode first):$", result.stdout, re.M)
+    assert layouts == ["two processes", "one process", "one process, decode first"]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert len(lines) == 9, result.stdout
+    for line in lines:
+        served, sent = map(int, re.search(r": (\d+) of (\d+) requests", line).groups())
+        assert served == sent > 0 and "; 0 errors" in line, line
