@@ -166,10 +166,13 @@ class ChildDecoding:
         self.child = context.Process(target=decoder_process, daemon=True,
                                      args=(str(checkpoint), str(device), cache_dir, self.inbox, child_events))
         self.child.start()
-        kind, _, _ = child_events.get()
+        self._child_events, self._events = child_events, events
+
+    def wait_ready(self) -> None:
+        """Wait for the child's decoder (built meanwhile beside this process's DiT), then relay its events."""
+        kind, _, _ = self._child_events.get()
         assert kind == "ready", kind
-        self._forward = threading.Thread(target=self._relay, args=(child_events, events), daemon=True)
-        self._forward.start()
+        threading.Thread(target=self._relay, args=(self._child_events, self._events), daemon=True).start()
 
     @staticmethod
     def _relay(source, target) -> None:
@@ -375,6 +378,7 @@ def main() -> None:
     built = False
     for layout in args.layouts:
         if layout == "two processes":
+            child.wait_ready()
             decoding, dit_stream = child, None
         else:
             first = layout.endswith("decode first")
