@@ -372,7 +372,7 @@ def main() -> None:
     began = time.perf_counter()
     sampler = build_sampler(preset, math.ceil(seconds * 50), tokens, device)
     graph = build_decoder(checkpoint, device)
-    say(f"DiT built in {time.perf_counter() - began:.0f} s")
+    say(f"DiT built and the decoder loaded in {time.perf_counter() - began:.0f} s")
     texts = [torch.randn(tokens, sampler.text_dim, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     runs = JoinedRuns(sampler, DiTSettings().max_batch_requests)
     built = False
