@@ -24,7 +24,9 @@ is made absolute here, so it means the directory the server starts in.
 on the public HTTP and gRPC ports and runs tritonserver behind it on loopback
 (AUK_INTERNAL_*_PORT), its metrics port public. It supervises the server: one that
 dies is logged with its status and restarted after a back-off (1 s, doubling to 30 s;
-AUK_RESTART=off exits instead), and the front answers not-ready meanwhile.
+AUK_RESTART=off exits instead), and the front answers not-ready meanwhile. The requests
+in flight upstream when it dies are cut at once (UNAVAILABLE / 503, naming how it died),
+even those still waiting for their connection.
 
 On SIGINT or SIGTERM the front door stops first (`FrontDoor.quiesce`): it refuses new
 requests, half-closes every gRPC stream so that Triton ends it once its requests are done,
@@ -291,13 +293,13 @@ class Supervisor:
             if self.stopping.is_set():
                 _say(f"tritonserver {describe_exit(status)} after the stop signal")
                 return status if status >= 0 else 128 - status
-            self.state.why = f"it {describe_exit(status)}"
             if not self.restart:
+                self.state.lost(f"it {describe_exit(status)}")
                 _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; AUK_RESTART is off: exiting")
                 return status if status > 0 else 1
             failures = 1 if ran >= settings.RESTART_RESET_AFTER_S else failures + 1
             delay = restart_delay(failures)
-            self.state.why += f"; restarting in {delay:g} s"
+            self.state.lost(f"it {describe_exit(status)}; restarting in {delay:g} s")
             _say(f"tritonserver {describe_exit(status)} after {ran:.0f} s; restarting it in {delay:g} s (not ready until then)")
             try:
                 await asyncio.wait_for(self.stopping.wait(), delay)

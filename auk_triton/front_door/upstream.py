@@ -9,6 +9,7 @@ import time
 
 STOPPING_MESSAGE = "the server is stopping and takes no new requests: send it again (to another replica)"
 CUT_MESSAGE = "the server is stopping: the request was cut short after {drain:g} s of draining: send it again"
+LOST_MESSAGE = "tritonserver stopped with the request in flight ({why}): send it again"
 
 
 class Flight:
@@ -36,6 +37,15 @@ class UpstreamState:
         if self.stopping and half_close is not None:
             half_close()
         return flight
+
+    def lost(self, why: str) -> None:
+        """tritonserver died: not running, and each request in flight upstream is cut. Those
+        sent just before the supervisor saw it wait for a connection (wait_for_ready) that
+        only the restart would give them."""
+        self.running, self.why = False, why
+        for flight in list(self.flights):
+            flight.cut = LOST_MESSAGE.format(why=why)
+            flight.cancel()
 
     def land(self, flight: Flight) -> None:
         self.flights.discard(flight)

@@ -1,15 +1,19 @@
 """The front door's checks, without a server: limits read from the model configs, declared
-shapes against them and against the data sent, and the launcher's restart back-off."""
+shapes against them and against the data sent, and the launcher's restart back-off and
+what a dead server does to the requests in flight."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from auk_triton.front_door import grpc_front, launcher, request_limits, settings
+from auk_triton.front_door import grpc_front, launcher, request_limits, settings, upstream
 from auk_triton.serving import config
 from auk_triton.front_door.request_limits import Refused
 from auk_triton.serving.errors import RequestError
@@ -147,6 +151,21 @@ def test_restarts_back_off_doubling_up_to_the_cap_and_exits_are_described():
     assert launcher.restart_delay(50) == cap
     assert launcher.describe_exit(-signal.SIGKILL) == "was killed by signal 9 (SIGKILL)"
     assert launcher.describe_exit(1) == "exited with status 1"
+
+
+def test_a_server_that_dies_cuts_the_requests_in_flight_upstream_naming_how_it_died():
+    """A request sent just before the supervisor sees the death waits for a connection
+    (wait_for_ready) that only the restart would give it: it is cut instead. The server is
+    a stand-in that kills itself; the launcher does not restart it here."""
+    state = upstream.UpstreamState()
+    cancelled = []
+    flight = state.take_off(lambda: cancelled.append(True))
+    command = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    supervisor = launcher.Supervisor(command, dict(os.environ), state, restart=False)
+    assert asyncio.run(supervisor.run()) == 1
+    assert cancelled == [True] and not state.running
+    assert flight.cut == "tritonserver stopped with the request in flight (it was killed by signal 9 (SIGKILL)): send it again"
+    assert state.why == "it was killed by signal 9 (SIGKILL)"
 
 
 def test_a_stop_drains_for_the_exit_timeout_less_its_margin_which_is_at_most_half_of_it():
