@@ -150,19 +150,28 @@ def add_text_condition_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_text_condition_arguments(p)
-    gen = p.add_argument_group("generation")
-    gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
+def add_sampling_arguments(gen) -> None:
+    """The sampler's options a generation and an edit share; unset, the server's defaults hold."""
     gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
     gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
     gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
     gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
-    gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
+
+
+def add_server_arguments(p: argparse.ArgumentParser, model: str, kind: str, timeout_s: float) -> None:
     srv = p.add_argument_group("server")
     srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
-    srv.add_argument("--model", default=PIPELINE_MODEL, help=f"ensemble name (default {PIPELINE_MODEL})")
-    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
+    srv.add_argument("--model", default=model, help=f"{kind} name (default {model})")
+    srv.add_argument("--timeout", type=float, default=timeout_s, help="seconds for the whole request")
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_text_condition_arguments(p)
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
+    add_sampling_arguments(gen)
+    gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
+    add_server_arguments(p, PIPELINE_MODEL, "ensemble", DEFAULT_PIPELINE_TIMEOUT_S)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
     out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
@@ -176,10 +185,7 @@ def add_encode_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seed", type=int, default=None,
         help="sample the posterior with this request seed (default: the posterior mean)",
     )
-    srv = p.add_argument_group("server")
-    srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
-    srv.add_argument("--model", default=ENCODE_MODEL, help=f"model name (default {ENCODE_MODEL})")
-    srv.add_argument("--timeout", type=float, default=st.DEFAULT_TIMEOUT_S, help="seconds for the whole request")
+    add_server_arguments(p, ENCODE_MODEL, "model", st.DEFAULT_TIMEOUT_S)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", default="latents.npy", help="the latents [frames, 64] as .npy (default latents.npy)")
     out.add_argument("-q", "--quiet", action="store_true", help="no summary")
@@ -194,19 +200,13 @@ def add_edit_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seconds", type=float, default=None,
         help="duration of the edited audio (default: as long as the source)",
     )
-    gen.add_argument("--seed", type=int, default=0, help="noise seed (and the stand-in prompt's); default 0")
-    gen.add_argument("--steps", type=int, default=None, help="Euler steps (server default 32; flash: locked to 4)")
-    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (server default 2.0)")
-    gen.add_argument("--sway", type=float, default=None, help="time-grid sway (server default -1.0)")
+    add_sampling_arguments(gen)
     gen.add_argument(
         "--encode-seed", type=int, default=None,
         help="encode the source as a posterior sample with this seed (the reference's vae_sample: "
              "pass the same value as --seed); default: the posterior mean",
     )
-    srv = p.add_argument_group("server")
-    srv.add_argument("--url", default=st.DEFAULT_GRPC_URL, help=f"gRPC endpoint (default {st.DEFAULT_GRPC_URL})")
-    srv.add_argument("--model", default=EDIT_MODEL, help=f"ensemble name (default {EDIT_MODEL})")
-    srv.add_argument("--timeout", type=float, default=DEFAULT_PIPELINE_TIMEOUT_S, help="seconds for the whole request")
+    add_server_arguments(p, EDIT_MODEL, "ensemble", DEFAULT_PIPELINE_TIMEOUT_S)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", default="auk_edit.wav", help="WAV file, written as tiles arrive")
     out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")
