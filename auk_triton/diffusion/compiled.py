@@ -34,8 +34,10 @@ import torch
 from .precompiled import PrecompiledFunction
 from .transformer import (
     BlockRunners,
+    run_audio_embedding,
     run_double_block,
     run_double_block_norm_rope_kernel,
+    run_output,
     run_single_block,
     run_single_block_norm_rope_kernel,
 )
@@ -59,6 +61,9 @@ class CompileOptions:
     # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops, for heads
     # of a power-of-two width. A CPU runs them as the eager step does either way.
     norm_rope_kernel: bool = True
+    # The parts around the blocks (the audio embedding with its grouped convolutions, the output
+    # norm and projection) compiled too, rather than run as eager ops.
+    compile_edges: bool = True
 
 
 def compiled_blocks(options: CompileOptions) -> BlockRunners:
@@ -83,14 +88,17 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
             double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
+    functions = dict(double=double, single=single)
+    if options.compile_edges:
+        functions.update(audio_embedding=run_audio_embedding, output=run_output)
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
-        return BlockRunners(double=PrecompiledFunction(double, folder, compile_kw),
-                            single=PrecompiledFunction(single, folder, compile_kw))
-    return BlockRunners(double=torch.compile(double, **compile_kw), single=torch.compile(single, **compile_kw))
+        return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()})
+    return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()})
 
 
 def traces_note(blocks: BlockRunners) -> str | None:
     """What the saved traces of `compiled_blocks` gave this start, for the log (None: not saved)."""
-    runners = [runner for runner in (blocks.double, blocks.single) if isinstance(runner, PrecompiledFunction)]
+    runners = [runner for runner in (blocks.double, blocks.single, blocks.audio_embedding, blocks.output)
+               if isinstance(runner, PrecompiledFunction)]
     return "; ".join(runner.note() for runner in runners) or None

@@ -390,13 +390,26 @@ def run_single_block_norm_rope_kernel(block: SingleStreamBlock, h, mod, ctx):
     return block(h, mod, ctx, norm_rope_kernel=True)
 
 
+def run_audio_embedding(embed: "AudioEmbedding", x, target_mask):
+    """The target's audio tokens: x embedded, its padded frames re-zeroed in the convolutions."""
+    return embed(x, target_mask)
+
+
+def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int):
+    """The velocity of the last n tokens (the target) from the single stream's output."""
+    return proj_out(norm_out.modulate(h[:, -n:], mod))
+
+
 @dataclass(frozen=True)
 class BlockRunners:
-    """How `velocity` calls its blocks: as they are, or compiled (see compiled.py). Every
-    block of a kind runs through the same function, so one compilation serves all of them."""
+    """How `velocity` calls its blocks and the parts around them: as they are, or compiled (see
+    compiled.py). Every block of a kind runs through the same function, so one compilation
+    serves all of them."""
 
     double: Callable = run_double_block
     single: Callable = run_single_block
+    audio_embedding: Callable = run_audio_embedding
+    output: Callable = run_output
 
 
 EAGER_BLOCKS = BlockRunners()
@@ -648,7 +661,7 @@ class AuKTransformer(nn.Module):
         """The step given its modulation [1 or B', total]: what a CUDA graph captures."""
         n = x.shape[1]
         mods = self.split_modulation(mod)
-        a = _repeat_rows(self.audio_embed(x, ctx.target_mask), ctx.copies)
+        a = _repeat_rows(blocks.audio_embedding(self.audio_embed, x, ctx.target_mask), ctx.copies)
         if ctx.prompt is not None:
             a = torch.cat([ctx.prompt, a], dim=1)
         c = ctx.c
@@ -657,7 +670,7 @@ class AuKTransformer(nn.Module):
         h = torch.cat([c, a], dim=1)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
-        return self.proj_out(self.norm_out.modulate(h[:, -n:], next(mods)))
+        return blocks.output(self.norm_out, self.proj_out, h, next(mods), n)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:
         """prepare() and step() together: one velocity evaluation from scratch."""
