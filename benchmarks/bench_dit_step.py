@@ -16,7 +16,7 @@ inputs, each captured as a CUDA graph and timed by its replays:
   model whose token linears are FP8 (fp8.py, the `fp8_linears` option), its velocity
   against the same eager bf16 step;
 - with `--compare-without OPTION ...`, `compiled, table, without OPTION`: the compiled
-  step with that `CompileOptions` switch off (`norm_rope_kernel`: the q/k norms and
+  step with that `CompileOptions` switch off (`block_kernels`: the q/k norms and
   RoPE as Inductor fuses the eager ops; `compile_edges`: the audio embedding and the
   output eager), for a ratio in the same run.
 
@@ -431,7 +431,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="also the compiled step and the whole runs with the token linears in FP8")
     parser.add_argument("--compare-without", nargs="+", default=[], metavar="OPTION",
-                        choices=("norm_rope_kernel", "compile_edges"),
+                        choices=("block_kernels", "compile_edges"),
                         help="also the compiled step with this CompileOptions switch off")
     parser.add_argument("--request", action="store_true",
                         help="only where one flash request's time goes in the sampler, phase by phase (GPU)")

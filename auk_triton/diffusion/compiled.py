@@ -36,10 +36,10 @@ from .transformer import (
     BlockRunners,
     run_audio_embedding,
     run_double_block,
-    run_double_block_norm_rope_kernel,
+    run_double_block_kernels,
     run_output,
     run_single_block,
-    run_single_block_norm_rope_kernel,
+    run_single_block_kernels,
 )
 
 # Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
@@ -60,7 +60,7 @@ class CompileOptions:
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
     # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops, for heads
     # of a power-of-two width. A CPU runs them as the eager step does either way.
-    norm_rope_kernel: bool = True
+    block_kernels: bool = True
     # The parts around the blocks (the audio embedding with its grouped convolutions, the output
     # norm and projection) compiled too, rather than run as eager ops.
     compile_edges: bool = True
@@ -80,12 +80,12 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
     double, single = run_double_block, run_single_block
-    if options.norm_rope_kernel:
+    if options.block_kernels:
         try:
-            # Imported here: its ops are registered before a saved trace that calls them is loaded.
-            from . import norm_rope_kernel  # noqa: F401
+            # Imported here: their ops are registered before a saved trace that calls them is loaded.
+            from . import adaln_kernel, norm_rope_kernel  # noqa: F401
 
-            double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
+            double, single = run_double_block_kernels, run_single_block_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
     functions = dict(double=double, single=single)

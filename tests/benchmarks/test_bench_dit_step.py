@@ -15,14 +15,14 @@ def test_the_step_benchmark_prints_a_row_per_batch_and_step_with_the_compiled_st
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_dit_step.py"), "--small", "--frames", "8", "--tokens", "4",
          "--batches", "2", "--iters", "1", "--fp8",
-         "--compare-without", "norm_rope_kernel", "compile_edges"],
+         "--compare-without", "block_kernels", "compile_edges"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 2 |")]
     assert [row[1].strip() for row in rows] == ["eager, per-step modulation", "eager, table", "compiled, table",
                                                 "compiled, table, FP8 linears",
-                                                "compiled, table, without norm_rope_kernel",
+                                                "compiled, table, without block_kernels",
                                                 "compiled, table, without compile_edges"]
     # Dynamo's eager backend runs the eager step's own ops (a CPU has no norm and RoPE kernel):
     # the same velocity, to the bit.
