@@ -59,8 +59,10 @@ def _residual_ln_modulate_kernel(out, h_out, h, y, gate, keep, scale, shift, h_r
     if HAS_KEEP:
         update = tl.where(tl.load(keep + token) != 0, update, 0.0)
     g = tl.load(gate + row * mod_row + lanes, mask=inside, other=0.0)
-    gated = (g.to(tl.float32) * update.to(tl.float32)).to(stream.dtype)  # eager's gate * y, rounded
-    new = (stream.to(tl.float32) + gated.to(tl.float32)).to(stream.dtype)  # then the residual's sum
+    # Eager's gate * y, rounded to y's dtype (both the modulation's), then the residual's sum in
+    # the stream's (fp32 where the stream is: the text stream after autocast's RMSNorm).
+    gated = (g.to(tl.float32) * update.to(tl.float32)).to(y.dtype.element_ty)
+    new = (stream.to(tl.float32) + gated.to(tl.float32)).to(stream.dtype)
     tl.store(h_out + token * width + lanes, new, mask=inside)
     s = tl.load(scale + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)
     t = tl.load(shift + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)
