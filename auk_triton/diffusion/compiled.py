@@ -58,8 +58,9 @@ class CompileOptions:
     # and not with the "eager" backend, whose traces cannot be saved.
     traces_dir: Path | None = None
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
-    # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops, for heads
-    # of a power-of-two width. A CPU runs them as the eager step does either way.
+    # Triton kernel per block (norm_rope_kernel.py), for heads of a power-of-two width, and each
+    # block's LayerNorms with their modulation and its gated residual as the AdaLN kernels
+    # (adaln_kernel.py), instead of Inductor's fused ops. A CPU runs them as the eager step does.
     block_kernels: bool = True
     # The parts around the blocks (the audio embedding with its grouped convolutions, the output
     # norm and projection) compiled too, rather than run as eager ops.
