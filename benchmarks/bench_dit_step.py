@@ -495,14 +495,19 @@ def main() -> None:
                      **{name: work for name in other_blocks}}
             say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
                 f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
-            results = {name: measure(fn, device, iters) for name, fn in fns.items()}
+            results = {}
+            for name, fn in fns.items():
+                try:
+                    results[name] = measure(fn, device, iters)
+                except Exception as err:  # a variant that fails to build is reported; the others are measured
+                    say(f"  batch {batch}, {name}: FAILED: {type(err).__name__}: {str(err)[:300]}")
             reference = results[PATHS[1]][2].float()
             for name, (ms, built, out) in results.items():
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
             if args.profile and device.type == "cuda":
                 for name in (PATHS[2], FP8_PATH, *other_blocks):
-                    if name in fns:
+                    if name in results:
                         profiles[(batch, name)] = kernel_profile(fns[name])
 
     say()
