@@ -50,6 +50,11 @@ def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0
         want_h = h + gate * y.masked_fill(~keep[..., None], 0.0)
         want_ff = (norm(want_h.float()) * (1 + scale_mlp).float() + shift_mlp.float()).to(dtype)
         got_ff, got_h = residual_ln_modulate(h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype)
+    # The fake implementations (what torch.compile traces with) give the real outputs' shapes and dtypes.
+    fake_checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ln_modulate, (h, scale, shift, transformer.LN_EPS, dtype), test_utils=fake_checks)
+    torch.library.opcheck(residual_ln_modulate, (h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype),
+                          test_utils=fake_checks)
     return {"id": f"{rows}x{tokens}x{width} {str(dtype).split('.')[-1]}",
             "rel_l2": max(_rel(got_in, want_in), _rel(got_ff, want_ff), _rel(got_h, want_h)),
             "shapes_match": got_in.shape == want_in.shape and got_ff.shape == got_h.shape == h.shape}
