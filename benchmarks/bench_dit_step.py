@@ -15,9 +15,10 @@ inputs, each captured as a CUDA graph and timed by its replays:
 - with `--fp8`, `compiled, table, FP8 linears`: the compiled step of a copy of the
   model whose token linears are FP8 (fp8.py, the `fp8_linears` option), its velocity
   against the same eager bf16 step;
-- with `--compare-norm-rope-kernel`, `compiled, table, Inductor's norms and RoPE`: the
-  compiled step without the q/k norm and RoPE kernel (norm_rope_kernel.py), as
-  Inductor fuses the eager ops, for a ratio in the same run.
+- with `--compare-without OPTION ...`, `compiled, table, without OPTION`: the compiled
+  step with that `CompileOptions` switch off (`block_kernels`: the q/k norms and
+  RoPE as Inductor fuses the eager ops; `compile_edges`: the audio embedding and the
+  output eager), for a ratio in the same run.
 
 Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
 work by torch's FlopCounterMode over that time), the relative L2 of its velocity
@@ -84,7 +85,7 @@ from common import compile_time_breakdown, heading, median_ms, rel_l2, sampler_c
 
 PATHS = ("eager, per-step modulation", "eager, table", "compiled, table")
 FP8_PATH = "compiled, table, FP8 linears"
-INDUCTOR_NORM_ROPE_PATH = "compiled, table, Inductor's norms and RoPE"
+WITHOUT_PATH = "compiled, table, without {}"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -109,9 +110,10 @@ def step_inputs(model, batch: int, frames: int, tokens: int, masked: bool, devic
     return x, ctx, t, table
 
 
-def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=None, inductor_norm_rope=None):
-    """The three steps (and the FP8 model's compiled one, and the compiled one through the blocks
-    `inductor_norm_rope`), each a function of static buffers (what a graph captures)."""
+def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=None, other_blocks=None):
+    """The three steps (and the FP8 model's compiled one, and a compiled one through each of
+    `other_blocks`, a path name -> block runners), each a function of static buffers (what a
+    graph captures)."""
     x = x.clone()
     t_device = t.to(device)
     mod = table.lookup(t).clone()
@@ -132,15 +134,17 @@ def step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model=Non
         with autocast(device, dtype):
             return fp8_model.velocity(x, mod, ctx, blocks)
 
-    def compiled_inductor_norm_rope():
-        with autocast(device, dtype):
-            return model.velocity(x, mod, ctx, inductor_norm_rope)
+    def compiled_through(runners):
+        def step():
+            with autocast(device, dtype):
+                return model.velocity(x, mod, ctx, runners)
+        return step
 
     steps = dict(zip(PATHS, (per_step, eager, compiled)))
     if fp8_model is not None:
         steps[FP8_PATH] = compiled_fp8
-    if inductor_norm_rope is not None:
-        steps[INDUCTOR_NORM_ROPE_PATH] = compiled_inductor_norm_rope
+    for name, runners in (other_blocks or {}).items():
+        steps[name] = compiled_through(runners)
     return steps
 
 
@@ -426,8 +430,9 @@ def main() -> None:
     parser.add_argument("--no-whole-runs", action="store_true", help="skip the whole flash and base runs")
     parser.add_argument("--fp8", action="store_true",
                         help="also the compiled step and the whole runs with the token linears in FP8")
-    parser.add_argument("--compare-norm-rope-kernel", action="store_true",
-                        help="also the compiled step without the q/k norm and RoPE kernel")
+    parser.add_argument("--compare-without", nargs="+", default=[], metavar="OPTION",
+                        choices=("block_kernels", "compile_edges"),
+                        help="also the compiled step with this CompileOptions switch off")
     parser.add_argument("--request", action="store_true",
                         help="only where one flash request's time goes in the sampler, phase by phase (GPU)")
     parser.add_argument("--open-loop", type=float, nargs="+", default=None, metavar="RATE",
@@ -470,9 +475,8 @@ def main() -> None:
     if args.inductor:
         say(f"Inductor options: {' '.join(args.inductor)}")
     blocks = compiled_blocks(options)
-    inductor_norm_rope = None
-    if args.compare_norm_rope_kernel:
-        inductor_norm_rope = compiled_blocks(dataclasses.replace(options, norm_rope_kernel=False))
+    other_blocks = {WITHOUT_PATH.format(field): compiled_blocks(dataclasses.replace(options, **{field: False}))
+                    for field in args.compare_without}
     profiles = {}
     fp8_model = None
     if args.fp8:
@@ -484,21 +488,26 @@ def main() -> None:
     with torch.inference_mode():
         for batch in args.batches:
             x, ctx, t, table = step_inputs(model, batch, frames, tokens, not args.unmasked, device, dtype)
-            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model, inductor_norm_rope)
+            fns = step_functions(model, x, ctx, t, table, blocks, device, dtype, fp8_model, other_blocks)
             # The compiled step does the eager step's work; the per-step modulation adds its linears.
             work = step_flops(fns[PATHS[1]])
             flops = {PATHS[0]: step_flops(fns[PATHS[0]]), PATHS[1]: work, PATHS[2]: work, FP8_PATH: work,
-                     INDUCTOR_NORM_ROPE_PATH: work}
+                     **{name: work for name in other_blocks}}
             say(f"  batch {batch}: {work / 1e9:.1f} GFLOP per step (from the table), "
                 f"{flops[PATHS[0]] / 1e9:.1f} (modulation per step)")
-            results = {name: measure(fn, device, iters) for name, fn in fns.items()}
+            results = {}
+            for name, fn in fns.items():
+                try:
+                    results[name] = measure(fn, device, iters)
+                except Exception as err:  # a variant that fails to build is reported; the others are measured
+                    say(f"  batch {batch}, {name}: FAILED: {type(err).__name__}: {str(err)[:300]}")
             reference = results[PATHS[1]][2].float()
             for name, (ms, built, out) in results.items():
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
             if args.profile and device.type == "cuda":
-                for name in (PATHS[2], FP8_PATH, INDUCTOR_NORM_ROPE_PATH):
-                    if name in fns:
+                for name in (PATHS[2], FP8_PATH, *other_blocks):
+                    if name in results:
                         profiles[(batch, name)] = kernel_profile(fns[name])
 
     say()

@@ -34,10 +34,12 @@ import torch
 from .precompiled import PrecompiledFunction
 from .transformer import (
     BlockRunners,
+    run_audio_embedding,
     run_double_block,
-    run_double_block_norm_rope_kernel,
+    run_double_block_kernels,
+    run_output,
     run_single_block,
-    run_single_block_norm_rope_kernel,
+    run_single_block_kernels,
 )
 
 # Dynamo compiles a function again for each new guard set (rows of one, shapes, dtypes);
@@ -56,9 +58,13 @@ class CompileOptions:
     # and not with the "eager" backend, whose traces cannot be saved.
     traces_dir: Path | None = None
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
-    # Triton kernel per block (norm_rope_kernel.py) instead of Inductor's fused ops, for heads
-    # of a power-of-two width. A CPU runs them as the eager step does either way.
-    norm_rope_kernel: bool = True
+    # Triton kernel per block (norm_rope_kernel.py), for heads of a power-of-two width, and each
+    # block's LayerNorms with their modulation and its gated residual as the AdaLN kernels
+    # (adaln_kernel.py), instead of Inductor's fused ops. A CPU runs them as the eager step does.
+    block_kernels: bool = True
+    # The parts around the blocks (the audio embedding with its grouped convolutions, the output
+    # norm and projection) compiled too, rather than run as eager ops.
+    compile_edges: bool = True
 
 
 def compiled_blocks(options: CompileOptions) -> BlockRunners:
@@ -75,22 +81,25 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
     double, single = run_double_block, run_single_block
-    if options.norm_rope_kernel:
+    if options.block_kernels:
         try:
-            # Imported here: its ops are registered before a saved trace that calls them is loaded.
-            from . import norm_rope_kernel  # noqa: F401
+            # Imported here: their ops are registered before a saved trace that calls them is loaded.
+            from . import adaln_kernel, norm_rope_kernel  # noqa: F401
 
-            double, single = run_double_block_norm_rope_kernel, run_single_block_norm_rope_kernel
+            double, single = run_double_block_kernels, run_single_block_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
+    functions = dict(double=double, single=single)
+    if options.compile_edges:
+        functions.update(audio_embedding=run_audio_embedding, output=run_output)
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
-        return BlockRunners(double=PrecompiledFunction(double, folder, compile_kw),
-                            single=PrecompiledFunction(single, folder, compile_kw))
-    return BlockRunners(double=torch.compile(double, **compile_kw), single=torch.compile(single, **compile_kw))
+        return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()})
+    return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()})
 
 
 def traces_note(blocks: BlockRunners) -> str | None:
     """What the saved traces of `compiled_blocks` gave this start, for the log (None: not saved)."""
-    runners = [runner for runner in (blocks.double, blocks.single) if isinstance(runner, PrecompiledFunction)]
+    runners = [runner for runner in (blocks.double, blocks.single, blocks.audio_embedding, blocks.output)
+               if isinstance(runner, PrecompiledFunction)]
     return "; ".join(runner.note() for runner in runners) or None

@@ -264,6 +264,18 @@ def _norm_rope_kernel_fits(qkv: torch.Tensor, norm: nn.RMSNorm) -> bool:
     return qkv.is_cuda and width & (width - 1) == 0
 
 
+def _adaln_kernels_run(kernels: bool, x: torch.Tensor) -> bool:
+    """Whether a block runs its norms, modulations and attention residual in adaln_kernel.py: with
+    `kernels`, on a GPU."""
+    return kernels and x.is_cuda
+
+
+def _activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the block's linears compute in: autocast's dtype under it (the kernels write what its
+    cast would give them), else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x.masked_fill(~mask[..., None], 0.0)
 
@@ -284,9 +296,11 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(dim_head)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x, rope, key_bias, mask, norm_rope_kernel: bool = False):
+    def forward(self, x, rope, key_bias, mask, kernels: bool = False):
+        """With `kernels` on a GPU the output's padded rows are left for the caller's residual
+        kernel to zero (adaln_kernel.py); otherwise they are zeroed here."""
         qkv = self.to_qkv(x)
-        if norm_rope_kernel and _norm_rope_kernel_fits(qkv, self.q_norm):
+        if kernels and _norm_rope_kernel_fits(qkv, self.q_norm):
             from .norm_rope_kernel import norm_rope_qk
 
             q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
@@ -296,7 +310,8 @@ class Attention(nn.Module):
             q, k, v = _heads(qkv, self.heads)
             q = rotate(self.q_norm(q), *rope)
             k = rotate(self.k_norm(k), *rope)
-        return _zero_padded_rows(self.to_out[0](_attend(q, k, v, key_bias)), mask)
+        out = self.to_out[0](_attend(q, k, v, key_bias))
+        return out if _adaln_kernels_run(kernels, out) else _zero_padded_rows(out, mask)
 
 
 class JointAttention(Attention):
@@ -312,9 +327,9 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head)
         self.to_out_c = nn.Linear(inner, dim)
 
-    def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, norm_rope_kernel: bool = False):
+    def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, kernels: bool = False):
         qkv_a, qkv_c = self.to_qkv(a), self.to_qkv_c(c)
-        if norm_rope_kernel and _norm_rope_kernel_fits(qkv_a, self.q_norm):
+        if kernels and _norm_rope_kernel_fits(qkv_a, self.q_norm):
             from .norm_rope_kernel import joint_norm_rope_qkv
 
             q, k, v = joint_norm_rope_qkv(qkv_a, qkv_c, self.q_norm.weight, self.k_norm.weight,
@@ -329,9 +344,10 @@ class JointAttention(Attention):
             v = torch.cat([va, vc], dim=1)
         out = _attend(q, k, v, key_bias)
         na = a.shape[1]
-        out_a = _zero_padded_rows(self.to_out[0](out[:, :na]), audio_mask)
-        out_c = _zero_padded_rows(self.to_out_c(out[:, na:]), c_mask)
-        return out_a, out_c
+        out_a, out_c = self.to_out[0](out[:, :na]), self.to_out_c(out[:, na:])
+        if _adaln_kernels_run(kernels, out_a):
+            return out_a, out_c
+        return _zero_padded_rows(out_a, audio_mask), _zero_padded_rows(out_c, c_mask)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -345,17 +361,37 @@ class DoubleStreamBlock(nn.Module):
         self.ff_norm_x = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff_x = FeedForward(dim, ff_hidden)
 
-    def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext", norm_rope_kernel: bool = False):
+    def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext", kernels: bool = False):
         """mod_c, mod_x: attn_norm_c's and attn_norm_x's modulations at this step's time."""
+        if _adaln_kernels_run(kernels, a):
+            return self._forward_kernels(a, c, mod_c, mod_x, ctx)
         c_in, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.attn_norm_c.modulate(c, mod_c)
         a_in, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = self.attn_norm_x.modulate(a, mod_x)
         da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
-                           norm_rope_kernel)
+                           kernels)
         c = c + c_gate_msa * dc
         c = _ff_update(c, self.ff_c, self.ff_norm_c, c_shift_mlp, c_scale_mlp, c_gate_mlp)
         a = a + a_gate_msa * da
         a = _ff_update(a, self.ff_x, self.ff_norm_x, a_shift_mlp, a_scale_mlp, a_gate_mlp)
         return a, c
+
+    def _forward_kernels(self, a, c, mod_c, mod_x, ctx: "DiTContext"):
+        """forward() with each stream's norms, modulations and attention residual in the AdaLN
+        kernels (and the attention's q/k in norm_rope_kernel.py)."""
+        from .adaln_kernel import ln_modulate, residual_ln_modulate
+
+        dtype = _activation_dtype(a)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = mod_c[:, None].chunk(6, dim=-1)
+        a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = mod_x[:, None].chunk(6, dim=-1)
+        c_in = ln_modulate(c, c_scale, c_shift, self.attn_norm_c.norm.eps, dtype)
+        a_in = ln_modulate(a, a_scale, a_shift, self.attn_norm_x.norm.eps, dtype)
+        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
+                           True)
+        c_ff_in, c = residual_ln_modulate(c, dc, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
+                                          self.ff_norm_c.eps, dtype)
+        a_ff_in, a = residual_ln_modulate(a, da, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
+                                          self.ff_norm_x.eps, dtype)
+        return a + a_gate_mlp * self.ff_x(a_ff_in), c + c_gate_mlp * self.ff_c(c_ff_in)
 
 
 class SingleStreamBlock(nn.Module):
@@ -366,9 +402,19 @@ class SingleStreamBlock(nn.Module):
         self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=LN_EPS)
         self.ff = FeedForward(dim, ff_hidden)
 
-    def forward(self, h, mod, ctx: "DiTContext", norm_rope_kernel: bool = False):
+    def forward(self, h, mod, ctx: "DiTContext", kernels: bool = False):
+        if _adaln_kernels_run(kernels, h):
+            from .adaln_kernel import ln_modulate, residual_ln_modulate
+
+            dtype = _activation_dtype(h)
+            shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
+            h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
+            y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True)
+            ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp,
+                                            self.ff_norm.eps, dtype)
+            return h + gate_mlp * self.ff(ff_in)
         h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulate(h, mod)
-        h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, norm_rope_kernel)
+        h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, kernels)
         return _ff_update(h, self.ff, self.ff_norm, shift_mlp, scale_mlp, gate_mlp)
 
 
@@ -382,21 +428,34 @@ def run_single_block(block: SingleStreamBlock, h, mod, ctx):
 
 # The same with the attention's q/k norms and RoPE (and the joint join) in one Triton kernel
 # per block on a GPU (norm_rope_kernel.py): what the compiled blocks run there.
-def run_double_block_norm_rope_kernel(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
-    return block(a, c, mod_c, mod_x, ctx, norm_rope_kernel=True)
+def run_double_block_kernels(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
+    return block(a, c, mod_c, mod_x, ctx, kernels=True)
 
 
-def run_single_block_norm_rope_kernel(block: SingleStreamBlock, h, mod, ctx):
-    return block(h, mod, ctx, norm_rope_kernel=True)
+def run_single_block_kernels(block: SingleStreamBlock, h, mod, ctx):
+    return block(h, mod, ctx, kernels=True)
+
+
+def run_audio_embedding(embed: "AudioEmbedding", x, target_mask):
+    """The target's audio tokens: x embedded, its padded frames re-zeroed in the convolutions."""
+    return embed(x, target_mask)
+
+
+def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int):
+    """The velocity of the last n tokens (the target) from the single stream's output."""
+    return proj_out(norm_out.modulate(h[:, -n:], mod))
 
 
 @dataclass(frozen=True)
 class BlockRunners:
-    """How `velocity` calls its blocks: as they are, or compiled (see compiled.py). Every
-    block of a kind runs through the same function, so one compilation serves all of them."""
+    """How `velocity` calls its blocks and the parts around them: as they are, or compiled (see
+    compiled.py). Every block of a kind runs through the same function, so one compilation
+    serves all of them."""
 
     double: Callable = run_double_block
     single: Callable = run_single_block
+    audio_embedding: Callable = run_audio_embedding
+    output: Callable = run_output
 
 
 EAGER_BLOCKS = BlockRunners()
@@ -648,7 +707,7 @@ class AuKTransformer(nn.Module):
         """The step given its modulation [1 or B', total]: what a CUDA graph captures."""
         n = x.shape[1]
         mods = self.split_modulation(mod)
-        a = _repeat_rows(self.audio_embed(x, ctx.target_mask), ctx.copies)
+        a = _repeat_rows(blocks.audio_embedding(self.audio_embed, x, ctx.target_mask), ctx.copies)
         if ctx.prompt is not None:
             a = torch.cat([ctx.prompt, a], dim=1)
         c = ctx.c
@@ -657,7 +716,7 @@ class AuKTransformer(nn.Module):
         h = torch.cat([c, a], dim=1)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
-        return self.proj_out(self.norm_out.modulate(h[:, -n:], next(mods)))
+        return blocks.output(self.norm_out, self.proj_out, h, next(mods), n)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:
         """prepare() and step() together: one velocity evaluation from scratch."""

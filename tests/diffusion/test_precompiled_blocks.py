@@ -186,7 +186,8 @@ def test_the_small_dits_blocks_traced_ahead_of_time_give_the_eager_step_and_a_re
         eager = [small_dit.velocity(x, mod, ctx, EAGER_BLOCKS) for x, mod, ctx in cases]
         traced = [small_dit.velocity(x, mod, ctx, first) for x, mod, ctx in cases]
     assert (first.double.traced, first.single.traced) == (2, 2)  # several rows with a reference; one without
-    assert len(list((tmp_path / "traces").iterdir())) == 4
+    assert (first.audio_embedding.traced, first.output.traced) == (2, 2)  # several rows; one
+    assert len(list((tmp_path / "traces").iterdir())) == 8
     torch._dynamo.reset()  # a new process, as far as Dynamo knows
     graphs_before = counters["stats"]["unique_graphs"]
     restarted = compiled_blocks(options)
@@ -195,6 +196,7 @@ def test_the_small_dits_blocks_traced_ahead_of_time_give_the_eager_step_and_a_re
     assert counters["stats"]["unique_graphs"] == graphs_before, f"the restart traced: {traces_note(restarted)}"
     assert (restarted.double.loaded, restarted.double.traced, restarted.single.loaded, restarted.single.traced) \
         == (2, 0, 2, 0)
+    assert (restarted.audio_embedding.loaded, restarted.audio_embedding.traced) == (2, 0)
     for e, t, a in zip(eager, traced, again):
         torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-5)  # aot_eager runs the eager ops, reordered
         assert torch.equal(a, t), "the loaded traces differ from the traced ones"

@@ -1,0 +1,135 @@
+"""The AdaLN kernels (auk_triton/diffusion/adaln_kernel.py) against the eager ops, and the blocks
+that call them against the eager blocks.
+
+Without CUDA but with `triton` importable they run in Triton's CPU interpreter (a subprocess:
+TRITON_INTERPRET=1 must be set before triton is imported), in fp32 at the small preset's
+sizes, with padded rows and a modulation row broadcast over the batch. The blocks' test runs
+the kernels' path on the CPU (it is the GPU's path otherwise) and requires the eager block's
+outputs. With CUDA, bf16 at the released width.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from auk_triton.diffusion import transformer
+from auk_triton.diffusion.synthetic import PRESETS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+FP32_TOLERANCE = 1e-5
+
+
+def _rel(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0) -> dict:
+    from auk_triton.diffusion.adaln_kernel import ln_modulate, residual_ln_modulate
+
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    h, y = draw(rows, tokens, width), draw(rows, tokens, width)
+    mod = draw(1, 6 * width) * 0.1  # one row broadcast over the batch, as a table's lookup
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
+    keep = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+    keep[-1, tokens - 2:] = False
+    norm = torch.nn.LayerNorm(width, elementwise_affine=False, eps=transformer.LN_EPS)
+    with torch.inference_mode():
+        want_in = (norm(h.float()) * (1 + scale).float() + shift.float()).to(dtype)
+        got_in = ln_modulate(h, scale, shift, transformer.LN_EPS, dtype)
+        want_h = h + gate * y.masked_fill(~keep[..., None], 0.0)
+        want_ff = (norm(want_h.float()) * (1 + scale_mlp).float() + shift_mlp.float()).to(dtype)
+        got_ff, got_h = residual_ln_modulate(h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype)
+    # The fake implementations (what torch.compile traces with) give the real outputs' shapes and dtypes.
+    fake_checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ln_modulate, (h, scale, shift, transformer.LN_EPS, dtype), test_utils=fake_checks)
+    torch.library.opcheck(residual_ln_modulate, (h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype),
+                          test_utils=fake_checks)
+    return {"id": f"{rows}x{tokens}x{width} {str(dtype).split('.')[-1]}",
+            "rel_l2": max(_rel(got_in, want_in), _rel(got_ff, want_ff), _rel(got_h, want_h)),
+            "shapes_match": got_in.shape == want_in.shape and got_ff.shape == got_h.shape == h.shape}
+
+
+def compare_blocks(device, dtype) -> dict:
+    """The small preset's blocks through the kernels' path against their eager path: a padded batch."""
+    torch.manual_seed(0)
+    model = transformer.AuKTransformer(latent_dim=64, **PRESETS["small"]).to(device, dtype).eval()
+    rows, frames, tokens = 2, 12, 6
+    mask = torch.ones(rows, frames, dtype=torch.bool, device=device)
+    mask[1, -3:] = False
+    c_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+    c_mask[0, -2:] = False
+    with torch.inference_mode():
+        ctx = model.prepare(torch.randn(rows, tokens, 2048, device=device, dtype=dtype), frames, mask=mask,
+                            c_mask=c_mask)
+        x = torch.randn(rows, frames, 64, device=device, dtype=dtype)
+        mod = model.modulation_at(torch.tensor(0.4))
+        eager = model.velocity(x, mod, ctx)
+        kernels = transformer.BlockRunners(double=transformer.run_double_block_kernels,
+                                           single=transformer.run_single_block_kernels)
+        got = model.velocity(x, mod, ctx, kernels)
+    return {"id": "blocks", "rel_l2": _rel(got, eager), "finite": bool(torch.isfinite(got).all())}
+
+
+def _interpreter_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    # On the CPU the kernels' path is otherwise never taken: take it here, as a GPU does.
+    transformer._adaln_kernels_run = lambda kernels, x: kernels
+    transformer._norm_rope_kernel_fits = lambda qkv, norm: True
+    for check in (lambda: compare_ops(2, 5, 64, "cpu", torch.float32), lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
+                  lambda: compare_blocks("cpu", torch.float32)):
+        try:
+            result = check()
+        except Exception as err:
+            result = {"id": "?", "error": f"{type(err).__name__}: {err}"}
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if HAS_CUDA:
+        pytest.skip("CUDA is available: the kernels are tested on the GPU instead of the interpreter")
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (CPU torch wheels do not ship it): the kernels are untested here")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(results) != 3:
+        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return results
+
+
+def test_the_kernels_normalise_modulate_and_add_the_gated_residual_as_eager_does_in_fp32(interpreter_results):
+    for result in interpreter_results[:2]:
+        assert "error" not in result, result
+        assert result["shapes_match"] and result["rel_l2"] <= FP32_TOLERANCE, result
+
+
+def test_the_blocks_through_the_kernels_give_the_eager_blocks_velocity(interpreter_results):
+    result = interpreter_results[2]
+    assert "error" not in result, result
+    assert result["finite"] and result["rel_l2"] <= FP32_TOLERANCE, result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_the_kernels_round_bf16_as_the_eager_ops_do_on_a_gpu():
+    result = compare_ops(4, 576, 1536, "cuda", torch.bfloat16)
+    assert result["shapes_match"] and result["rel_l2"] < 1e-3, result
+
+
+if __name__ == "__main__" and "--interpreter" in sys.argv:
+    sys.exit(_interpreter_main())
