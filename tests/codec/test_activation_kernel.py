@@ -29,18 +29,14 @@ Where the kernel runs:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import interpreter_results as interpreter_run
 
 TOLERANCE = 1e-5
 # An fp16 output sample is the kernel's fp32 result rounded: at most half an ulp, 2^-11 of its magnitude.
@@ -49,7 +45,6 @@ DECODE_TOLERANCE = 1e-3
 EDGE = 24  # output samples checked separately at each clip edge
 
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # (batch, channels, length, layout, causal, logscale, random_taps, bias)
 # bias: a per-channel bias added to the input (the preceding conv's), folded into the kernel's loads.
@@ -242,34 +237,13 @@ def _check(result: dict) -> None:
         assert result[key] <= TOLERANCE, f"{result['id']}: {key} {result[key]:.3g} > {TOLERANCE}: {result}"
 
 
-def run_in_triton_interpreter(script: str) -> dict:
-    """Run `script --interpreter` with TRITON_INTERPRET=1 in a subprocess (the variable must be
-    set before triton is imported) and return the JSON result lines it prints, by "id"."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, script, "--interpreter"], env=env, capture_output=True, text=True, timeout=1800
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            result = json.loads(line)
-            results[result["id"]] = result
-    if proc.returncode != 0 or not results:
-        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return results
-
-
 # ---- CPU: Triton's interpreter, in a subprocess ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if HAS_CUDA:
-        pytest.skip("CUDA is available: the kernel is tested on the GPU instead of the interpreter")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (CPU torch wheels do not ship it): the fused kernel is untested here")
-    return run_in_triton_interpreter(__file__)
+    count = 2 + len(INTERPRETER_CASES) + len(INTERPRETER_FP16_CASES)  # _interpreter_main's lines
+    return {result["id"]: result for result in interpreter_run(__file__, count, timeout_s=1800)}
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=_case_id)

@@ -10,22 +10,17 @@ outputs. With CUDA, bf16 at the released width.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from auk_triton.diffusion import transformer
 from auk_triton.diffusion.synthetic import PRESETS
+from triton_interpreter import interpreter_results as interpreter_run
+from triton_interpreter import run_checks
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 FP32_TOLERANCE = 1e-5
 
 
@@ -82,34 +77,17 @@ def compare_blocks(device, dtype) -> dict:
 
 
 def _interpreter_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     # On the CPU the kernels' path is otherwise never taken: take it here, as a GPU does.
     transformer._adaln_kernels_run = lambda kernels, x: kernels
     transformer._norm_rope_kernel_fits = lambda qkv, norm: True
-    for check in (lambda: compare_ops(2, 5, 64, "cpu", torch.float32), lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
-                  lambda: compare_blocks("cpu", torch.float32)):
-        try:
-            result = check()
-        except Exception as err:
-            result = {"id": "?", "error": f"{type(err).__name__}: {err}"}
-        print(json.dumps(result), flush=True)
-    return 0
+    return run_checks([lambda: compare_ops(2, 5, 64, "cpu", torch.float32),
+                       lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
+                       lambda: compare_blocks("cpu", torch.float32)])
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if HAS_CUDA:
-        pytest.skip("CUDA is available: the kernels are tested on the GPU instead of the interpreter")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (CPU torch wheels do not ship it): the kernels are untested here")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(results) != 3:
-        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return results
+    return interpreter_run(__file__, count=3)
 
 
 def test_the_kernels_normalise_modulate_and_add_the_gated_residual_as_eager_does_in_fp32(interpreter_results):

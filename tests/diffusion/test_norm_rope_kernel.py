@@ -15,12 +15,7 @@ per stream, and in the double blocks the two streams' q, k and v joined along th
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,10 +29,10 @@ from auk_triton.diffusion.transformer import (
     _rope_for_heads,
     rotate,
 )
+from triton_interpreter import interpreter_results as interpreter_run
+from triton_interpreter import run_checks
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 FP32_TOLERANCE = 1e-5  # relative L2; the kernel's fp32 differs from eager's in summation order only
 
 
@@ -123,30 +118,12 @@ INTERPRETER_CASES = ((2, 5, 3, 3, 8), (1, 4, 2, 2, 16))  # rows, audio tokens, t
 
 
 def _interpreter_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    for case in INTERPRETER_CASES:
-        try:
-            result = compare(*case, "cpu", torch.float32)
-        except Exception as err:
-            result = {"id": str(case), "error": f"{type(err).__name__}: {err}"}
-        print(json.dumps(result), flush=True)
-    return 0
+    return run_checks([lambda case=case: compare(*case, "cpu", torch.float32) for case in INTERPRETER_CASES])
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if HAS_CUDA:
-        pytest.skip("CUDA is available: the kernel is tested on the GPU instead of the interpreter")
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (CPU torch wheels do not ship it): the kernel is untested here")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(results) != len(INTERPRETER_CASES):
-        pytest.fail(f"interpreter run failed (status {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return results
+    return interpreter_run(__file__, count=len(INTERPRETER_CASES), timeout_s=600)
 
 
 def test_the_kernel_normalises_rotates_and_joins_as_the_eager_ops_do_in_fp32(interpreter_results):
