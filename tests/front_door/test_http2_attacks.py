@@ -5,8 +5,8 @@ Each attack runs for ATTACK_S seconds from a process of its own (http2_attacker.
 frames) on one connection at a time, while the test sends a good streamed decode on
 another connection. For every attack: the good request's audio equals the one decoded
 before any attack, it takes at most SLOWDOWN times its time alone, the server's processes (the
-launcher, tritonserver and its model stubs) grow by at most 64 MB while the attack runs,
-their memory comes back once it ends, and the server stays ready.
+launcher, tritonserver and its model stubs) grow by at most 64 MB while the attack runs, the
+same attack run again leaves at most 16 MB more than the first did, and the server stays ready.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import http2_attacker  # noqa: E402  (beside this file)
 ATTACK_S = 2.5
 MB = 2**20
 ATTACK_MEMORY_BYTES = 64 * MB  # one attacking connection's most, while it runs
-LEFT_OVER_BYTES = 16 * MB  # what may stay once it has ended (allocator slack)
+# What a second run of an attack may leave past the first's. A leak grows with each run; what
+# the allocators keep after the first (up to about 17 MB on two busy cores) the second reuses.
+LEFT_OVER_BYTES = 16 * MB
 GOOD_FRAMES = 200  # the good request: a streamed clip of this many frames
 # The good request's most time under attack, in times its time alone. The attacker is a process
 # on the same machine: on two cores it takes one of them, which slowed the good request by up to
@@ -82,7 +84,7 @@ class MemoryWatch:
 
 
 def settled_rss(server, baseline: int, timeout_s: float = 10.0) -> int:
-    """The server's memory once it is back within LEFT_OVER_BYTES of `baseline`, or after the timeout."""
+    """The server's memory once it is within LEFT_OVER_BYTES of `baseline`, or after the timeout."""
     deadline = time.monotonic() + timeout_s
     while (rss := server.rss_bytes()) > baseline + LEFT_OVER_BYTES and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -114,11 +116,15 @@ def test_a_good_request_on_another_connection_is_served_exactly_and_in_time_whil
     report = report_of(attacker)
     peak = memory.stop()
     after = settled_rss(front_door, baseline)
+    report_of(attack(front_door, name))  # again
+    again = settled_rss(front_door, after)
 
     np.testing.assert_array_equal(waveform, expected)
     assert took <= SLOWDOWN * alone_s, f"{name}: the good request took {took:.3f} s, alone {alone_s:.3f} s; {report}"
     assert peak - baseline <= ATTACK_MEMORY_BYTES, f"{name}: +{(peak - baseline) / MB:.1f} MB while it ran; {report}"
-    assert after - baseline <= LEFT_OVER_BYTES, f"{name}: +{(after - baseline) / MB:.1f} MB after it ended; {report}"
+    assert again - after <= LEFT_OVER_BYTES, (
+        f"{name}: +{(after - baseline) / MB:.1f} MB after it ended, +{(again - after) / MB:.1f} MB more after "
+        f"a second run; {report}")
     assert front_door.is_ready()
     assert report["bytes_sent"] > 0 and (report["bursts"] or report["connections"]), report
 
