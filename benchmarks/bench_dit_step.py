@@ -17,8 +17,9 @@ inputs, each captured as a CUDA graph and timed by its replays:
   against the same eager bf16 step;
 - with `--compare-without OPTION ...`, `compiled, table, without OPTION`: the compiled
   step with that `CompileOptions` switch off (`block_kernels`: the q/k norms and
-  RoPE as Inductor fuses the eager ops; `compile_edges`: the audio embedding and the
-  output eager), for a ratio in the same run.
+  RoPE, the LayerNorms with their modulation and the gated residual as Inductor fuses
+  the eager ops; `compile_edges`: the audio embedding and the output eager), for a
+  ratio in the same run.
 
 Printed per batch and step: ms per step (median replay), TFLOP/s (the step's
 work by torch's FlopCounterMode over that time), the relative L2 of its velocity

@@ -100,6 +100,5 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
 
 def traces_note(blocks: BlockRunners) -> str | None:
     """What the saved traces of `compiled_blocks` gave this start, for the log (None: not saved)."""
-    runners = [runner for runner in (blocks.double, blocks.single, blocks.audio_embedding, blocks.output)
-               if isinstance(runner, PrecompiledFunction)]
+    runners = [runner for runner in vars(blocks).values() if isinstance(runner, PrecompiledFunction)]
     return "; ".join(runner.note() for runner in runners) or None

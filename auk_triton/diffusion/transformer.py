@@ -185,9 +185,15 @@ class AdaLayerNormZero(nn.Module):
     def modulation(self, temb: torch.Tensor) -> torch.Tensor:
         return self.linear(F.silu(temb))  # [R, 6D]
 
+    @staticmethod
+    def parts(mod: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A modulation [R, 6D] as the checkpoint lays it out: shift_msa, scale_msa, gate_msa,
+        shift_mlp, scale_mlp, gate_mlp, each a view [R, 1, D]."""
+        return mod[:, None].chunk(6, dim=-1)
+
     def modulate(self, x: torch.Tensor, mod: torch.Tensor):
         """LN(x)(1 + scale_msa) + shift_msa, then gate_msa, shift_mlp, scale_mlp, gate_mlp, each [R, 1, D]."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.parts(mod)
         return self.norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor):
@@ -381,8 +387,8 @@ class DoubleStreamBlock(nn.Module):
         from .adaln_kernel import ln_modulate, residual_ln_modulate
 
         dtype = _activation_dtype(a)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = mod_c[:, None].chunk(6, dim=-1)
-        a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = mod_x[:, None].chunk(6, dim=-1)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = AdaLayerNormZero.parts(mod_c)
+        a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = AdaLayerNormZero.parts(mod_x)
         c_in = ln_modulate(c, c_scale, c_shift, self.attn_norm_c.norm.eps, dtype)
         a_in = ln_modulate(a, a_scale, a_shift, self.attn_norm_x.norm.eps, dtype)
         da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
@@ -404,18 +410,22 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, h, mod, ctx: "DiTContext", kernels: bool = False):
         if _adaln_kernels_run(kernels, h):
-            from .adaln_kernel import ln_modulate, residual_ln_modulate
-
-            dtype = _activation_dtype(h)
-            shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
-            h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
-            y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True)
-            ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp,
-                                            self.ff_norm.eps, dtype)
-            return h + gate_mlp * self.ff(ff_in)
+            return self._forward_kernels(h, mod, ctx)
         h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulate(h, mod)
         h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, kernels)
         return _ff_update(h, self.ff, self.ff_norm, shift_mlp, scale_mlp, gate_mlp)
+
+    def _forward_kernels(self, h, mod, ctx: "DiTContext"):
+        """forward() with the norms, modulations and attention residual in the AdaLN kernels (and
+        the attention's q/k in norm_rope_kernel.py)."""
+        from .adaln_kernel import ln_modulate, residual_ln_modulate
+
+        dtype = _activation_dtype(h)
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = AdaLayerNormZero.parts(mod)
+        h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
+        y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True)
+        ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp, self.ff_norm.eps, dtype)
+        return h + gate_mlp * self.ff(ff_in)
 
 
 def run_double_block(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
