@@ -24,6 +24,18 @@ BUILD_SWITCH_INTERVAL_S = 0.0005
 # begins anyway after waiting this long: longer than any model set takes to load cold.
 BUILD_BEGIN_POLL_S = 0.5
 BUILD_BEGIN_WAIT_S = 900.0
+# One build item at a time in a process. A model whose stages each build after READY (the
+# pipeline's DiT and decoder in one process) would otherwise compile and capture on two threads
+# at once, and torch.compile's tracing is not made for that; each stage's own serving thread
+# only replays, so it never waits for this.
+_ONE_BUILD_AT_A_TIME = threading.Lock()
+
+
+def priority_stream(device, first: bool) -> torch.cuda.Stream:
+    """A stream of its own on `device`: at the device's highest priority when `first`, else at
+    its lowest. Where both wait, the GPU starts the first one's kernels before the other's."""
+    low, high = torch.cuda.Stream.priority_range()  # CUDA: a lower number is a higher priority
+    return torch.cuda.Stream(device, priority=high if first else low)
 
 
 @contextmanager
@@ -180,7 +192,8 @@ class GraphBuilder:
                         if self._stop.is_set():
                             return
                         try:
-                            result = build(item)
+                            with _ONE_BUILD_AT_A_TIME:
+                                result = build(item)
                         except Exception as err:  # out of memory, say: the tier it stands in for stays
                             logger.warning("%s: building %s failed: %s: %s", self.name, describe(item),
                                            type(err).__name__, err)

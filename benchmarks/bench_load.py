@@ -21,7 +21,7 @@ keeps first audio p99 within target with no underrun. Clip lengths are drawn
 per request from `--clips`. `--mode closed open` runs both on one server.
 
 `--model decode` (the default) sends seeded latents to `auk_vae_decode`.
-`--model pipeline` sends `auk_pipeline` (auk_dit, then auk_vae_decode) what
+`--model pipeline` sends `auk_pipeline` (the DiT, then the decoder, in one process) what
 `auk_client.pipeline` sends: seeded stand-in prompt embeddings (`--tokens`), the
 clip's seconds, a seed, and the recipe's knobs (`--recipe flash`, the default,
 serves a flash checkpoint and sends none; `base`, 32 guided steps); its audio
@@ -112,7 +112,7 @@ from common import (
 SAMPLE_RATE = FRAMES_PER_SECOND * SAMPLES_PER_FRAME
 OUTPUTS = {"pcm16": "WAVEFORM_PCM16", "float32": "WAVEFORM"}
 PIPELINE_MODEL = "auk_pipeline"
-PIPELINE_MODELS = ("auk_dit", MODEL, PIPELINE_MODEL)  # what the server loads for the pipeline
+PIPELINE_MODELS = (PIPELINE_MODEL,)  # what the server loads for the pipeline: both stages in one model
 # Longest wait for one response; past it the request is an error and its stream is reopened.
 RESPONSE_TIMEOUT_S = 120.0
 # Longest wait for an open loop's requests once its arrivals have ended.
@@ -583,7 +583,7 @@ def model_metrics(metrics_url: str | None) -> dict[str, float] | None:
             continue
         name, labels, value = match.groups()
         found = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
-        if found.get("model") != MODEL:
+        if found.get("model") not in (MODEL, PIPELINE_MODEL):  # the pipeline's decoder reports as the pipeline
             continue
         if "le" in found:
             name = f"{name}:{found['le']}"
@@ -1131,7 +1131,7 @@ def meets_target(run: Run, p99_target_ms: float) -> bool:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("decode", "pipeline"), default="decode",
-                        help=f"decode: {MODEL} (latents in); pipeline: {PIPELINE_MODEL} (auk_dit, then {MODEL}: "
+                        help=f"decode: {MODEL} (latents in); pipeline: {PIPELINE_MODEL} (the DiT, then the decoder, in one process: "
                              "prompt embeddings in)")
     parser.add_argument("--recipe", choices=("flash", "base"), default=None,
                         help="pipeline: the DiT's checkpoint and recipe (default flash: 4 steps; base: 32 guided)")

@@ -9,7 +9,8 @@ decodes them (its buckets and batched graphs, built before the first request); a
 when each tile is handed over.
 
 - `two processes`: the decoder in a child process, the latents passed to it through a queue,
-  as the pipeline's ensemble passes them from one model to the other;
+  as an ensemble passes them from one model to the other (`auk_pipeline` did, before it became
+  one model);
 - `one process`: the sampling thread and the scheduler's thread in this process, each
   queuing on a stream of its own, of the same priority;
 - `one process, decode first`: the same, the scheduler's stream at the device's highest

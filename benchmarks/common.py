@@ -408,17 +408,18 @@ MODEL_LOG_LINE = re.compile(r"\b(auk_\w+): ")
 
 
 def builds_pending(log_text: str) -> set[str]:
-    """The models whose log left graphs for after READY and has not said yet that they are built."""
-    pending = set()
+    """The models whose log left graphs for after READY and has not said yet that they are built
+    (as many times: auk_pipeline's two stages each say both)."""
+    pending: dict[str, int] = {}
     for line in log_text.splitlines():
         match = MODEL_LOG_LINE.search(line)
         if match is None:
             continue
         if BUILD_AFTER_READY in line:
-            pending.add(match[1])
+            pending[match[1]] = pending.get(match[1], 0) + 1
         elif BUILT_AFTER_READY in line:
-            pending.discard(match[1])
-    return pending
+            pending[match[1]] = pending.get(match[1], 0) - 1
+    return {model for model, count in pending.items() if count > 0}
 
 
 def wait_built(process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

@@ -102,8 +102,8 @@ def copy_model_repository(
     precision: str | None = "fp16",
 ) -> Path:
     """Copy the `models` of model_repository/ to `dest`, with `tile_frames`, `precision` (and any
-    other config `parameters`) set in the CPU configs (config.pbtxt) of the decode models that
-    have them: `max_active_requests` in both, `max_frames` in auk_vae_decode alone (the offline
+    other config `parameters`) set in the CPU configs (config.pbtxt) of the decode models (and of
+    auk_pipeline, which holds a decoder) that have them: `max_active_requests` in both, `max_frames` in auk_vae_decode alone (the offline
     model forwards to it). fp16 by default: a CPU decodes in fp32 anyway (and logs that it
     does), so the served tests that compare with the library's fp32 decode check that fallback too."""
     source = REPO_ROOT / "model_repository"
@@ -116,7 +116,7 @@ def copy_model_repository(
     found = dict.fromkeys(chosen, 0)
     for model in models:
         shutil.copytree(source / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
-        if model not in DECODE_MODELS:
+        if model not in DECODE_MODELS + ("auk_pipeline",):  # the pipeline holds a decoder too
             continue
         config = dest / model / "config.pbtxt"
         for key, value in chosen.items():

@@ -59,7 +59,9 @@ def precompiled_decode(vae: torch.nn.Module, path: Path,
 
 def trace_decode(vae: torch.nn.Module, example: torch.Tensor):
     """`vae.forward` traced ahead of time on `example` [rows, frames, latent_dim], frames symbolic."""
-    torch._dynamo.config.enable_aot_compile = True  # off by default in torch 2.11
     example = example.clone()
     torch._dynamo.mark_dynamic(example, 1)
-    return torch.compile(vae.forward, dynamic=None, fullgraph=True).aot_compile(((example,), {}))
+    # Off by default in torch 2.11; set for this trace alone, not for the process (the pipeline's
+    # DiT compiles in the same one).
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        return torch.compile(vae.forward, dynamic=None, fullgraph=True).aot_compile(((example,), {}))

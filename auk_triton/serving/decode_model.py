@@ -15,6 +15,7 @@ forwarded request itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import weakref
@@ -104,14 +105,15 @@ class StreamSink:
         self.sender.send(response, flags=FINAL if last else 0)
         self.last_start = start_sample
 
-    def fail(self, error: Exception) -> None:
+    def fail(self, error: Exception, action: str = "decode") -> None:
         try:
-            self.sender.send(failure_response(self.model, "decode", error, self.request), flags=FINAL)
+            self.sender.send(failure_response(self.model, action, error, self.request), flags=FINAL)
         except Exception as send_err:  # the client is gone: nothing to tell
             log("error", f"{self.model}: could not send the error response: {send_err}")
 
-    def stop(self) -> None:
-        log("info", f"{self.model}: request cancelled {self.where()}")
+    def stop(self, where: str | None = None) -> None:
+        """End the stream of a client that has gone; `where` it had got (default: by its tiles)."""
+        log("info", f"{self.model}: request cancelled {where or self.where()}")
         self.sender.send(flags=FINAL)
 
     def where(self) -> str:
@@ -181,8 +183,9 @@ class TritonPythonModel:
         # The scheduler's thread builds the graphs it replays before READY; the deferred ones
         # are built beside it after READY, and it takes each over at its next decode.
         deferred = []
+        self.stream = self._decode_stream()
         self.scheduler.start(warmup=lambda: deferred.extend(
-            self.graph.warmup(self.device, on_bucket=on_bucket, defer=settings.defer_graphs)))
+            self.graph.warmup(self.device, on_bucket=on_bucket, defer=settings.defer_graphs)), stream=self.stream)
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures
         if self.graph.compile_note:
             log("info", f"{self.name}: compiled decode {self.graph.compile_note}")
@@ -196,6 +199,11 @@ class TritonPythonModel:
         # Built once the whole server is READY: beside another model's warm-up they slow it.
         self.graph.start_deferred(deferred, self.device, on_done=self._deferred_built,
                                   begin_when=server_ready_condition())
+
+    def _decode_stream(self) -> torch.cuda.Stream | None:
+        """The stream the scheduler queues its decodes on; None: its thread's default. A model
+        alone in its process has the GPU's queue to itself (the pipeline's decoder does not)."""
+        return None
 
     def _deferred_built(self, report: BuildReport) -> None:
         log("warn" if report.failed else "info",
@@ -297,8 +305,13 @@ class TritonPythonModel:
         # numpy's copy, not torch's: past 32,768 elements (512 frames) torch's CPU copy runs on
         # its OpenMP team, whose wake-up here cost more than the copy itself.
         np.copyto(pinned.numpy(), array)
-        latents = pinned.to(self.device, non_blocking=True)
-        return latents.unsqueeze(0), lambda: require_finite(array)
+        return self.on_device(pinned), lambda: require_finite(array)
+
+    def on_device(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [frames, dim] in pinned host memory as [1, frames, dim] on the model's device:
+        a copy queued on the decoder's stream (so ordered before its decodes), not waited for."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return latents.to(self.device, non_blocking=True).unsqueeze(0)
 
     def _on_iteration(self, report: Iteration) -> None:
         """One scheduler iteration's numbers to the metrics (the reporter sends them later)."""

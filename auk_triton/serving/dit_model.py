@@ -2,7 +2,7 @@
 
 One response per request (not decoupled). Triton's dynamic batcher hands `execute`
 requests together, so every input has a leading batch axis of 1 (one clip per
-request; the `auk_pipeline` ensemble adds and removes it itself). Inputs, after that
+request; the `auk_edit` ensemble adds and removes it itself). Inputs, after that
 axis:
 
 - PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
@@ -113,7 +113,19 @@ class TritonPythonModel:
         if settings.join_between_steps:
             self._seen = self._fallbacks()
             self.joined = JoinedRuns(self.sampler, settings.max_batch_requests)
-            self.sampling = SamplingThread(self.joined, self._answer, after_step=self._after_step)
+            self.sampling = SamplingThread(self.joined, self._answer, after_step=self._after_step,
+                                           stream=self._sampling_stream(), admit=self._admission())
+
+    def _sampling_stream(self):
+        """The stream the sampling thread queues its steps on; None: its thread's default. A model
+        alone in its process has the GPU's queue to itself (the pipeline's DiT does not)."""
+        return None
+
+    def _admission(self):
+        """What a request waits for before it joins the runs (SamplingThread's `admit`); None:
+        nothing. Alone, this model answers each request as it leaves; the pipeline's DiT hands
+        it to a decoder that may be behind."""
+        return None
 
     def _warm_up(self, compiled: bool) -> list:
         """Capture the buckets' step graphs (compiling the step first, when on) before READY:
@@ -243,8 +255,8 @@ class TritonPythonModel:
 
     def finalize(self):
         if getattr(self, "sampling", None) is not None:
-            for sender, request in self.sampling.stop():
-                self._answer((sender, request), RuntimeError(f"{self.name} is unloading"))
+            for tag in self.sampling.stop():
+                self._answer(tag, RuntimeError(f"{self.name} is unloading"))
         if getattr(self, "sampler", None) is not None:
             self.sampler.stop_deferred()
         if getattr(self, "sampler", None) is not None and self.sampler.graphs is not None:

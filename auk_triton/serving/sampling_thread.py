@@ -13,22 +13,33 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from typing import Callable
+
+import torch
 
 from auk_triton.diffusion.joined import JoinedRuns
 
 # How often an idle thread looks whether it is being stopped.
 IDLE_WAIT_S = 0.1
+# How often a thread holding requests that `admit` refuses asks again, while it has no step to queue.
+ADMIT_POLL_S = 0.002
 
 
 class SamplingThread:
     """Steps `runs` on a thread of its own. `answer(tag, result)` is called there once for each
     request (its latents or its error), and `after_step(idle)` after each step, idle when it
-    holds no request any more; neither may raise."""
+    holds no request any more; neither may raise. With `stream`, the thread queues its GPU work
+    there (the submissions' copies and the steps). With `admit`, a request joins the runs only
+    once `admit()` says yes, asked before each; until then it waits, in order, with the
+    requests after it (a stage after this one has work enough)."""
 
     def __init__(self, runs: JoinedRuns, answer: Callable[[object, object], None],
-                 after_step: Callable[[bool], None] = lambda idle: None, name: str = "auk-dit-sampling"):
-        self._runs, self._answer, self._after_step = runs, answer, after_step
+                 after_step: Callable[[bool], None] = lambda idle: None, name: str = "auk-dit-sampling",
+                 stream: torch.cuda.Stream | None = None, admit: Callable[[], bool] | None = None):
+        self._runs, self._answer, self._after_step, self._stream = runs, answer, after_step, stream
+        self._admit = admit
+        self._held: deque = deque()  # taken from the inbox, waiting for `admit`
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -42,7 +53,9 @@ class SamplingThread:
         """Stop after the step in progress; the tags of the requests never answered."""
         self._stopping.set()
         self._thread.join(timeout_s)
-        return [tag for _, tag, _ in self._take_inbox()] + self._runs.drain()
+        held = [*self._held, *self._take_inbox()]
+        self._held.clear()
+        return [tag for _, tag, _ in held] + self._runs.drain()
 
     def _take_inbox(self, wait_s: float = 0.0) -> list:
         items = []
@@ -54,8 +67,14 @@ class SamplingThread:
             return items
 
     def _loop(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self._stream.device)
+            torch.cuda.set_stream(self._stream)  # this thread's
         while not self._stopping.is_set():
-            for plan, tag, should_stop in self._take_inbox(0.0 if len(self._runs) else IDLE_WAIT_S):
+            wait_s = 0.0 if len(self._runs) else ADMIT_POLL_S if self._held else IDLE_WAIT_S
+            self._held.extend(self._take_inbox(wait_s))
+            while self._held and (self._admit is None or self._admit()):
+                plan, tag, should_stop = self._held.popleft()
                 try:
                     self._runs.submit(plan, tag, should_stop)
                 except Exception as err:  # its grid's modulation table could not be computed

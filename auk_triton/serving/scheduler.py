@@ -196,9 +196,10 @@ class TileScheduler:
 
     # ---- the caller's side (Triton's execute thread) ----------------------------------------
 
-    def start(self, warmup: Callable[[], None] | None = None) -> None:
+    def start(self, warmup: Callable[[], None] | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Start the thread; `warmup` runs on it first (graphs are captured and replayed on
-        one thread), and what it raises is raised here."""
+        one thread), and what it raises is raised here. With `stream`, the thread queues its
+        decodes there afterwards (a job's latents must then be copied on it too)."""
         ready = threading.Event()
 
         def main():
@@ -207,6 +208,8 @@ class TileScheduler:
                     torch.cuda.set_device(self.device)  # per thread: captures on another GPU fail
                 if warmup is not None:
                     warmup()
+                if stream is not None:
+                    torch.cuda.set_stream(stream)  # this thread's, from here on
             except BaseException as err:  # noqa: BLE001  (handed to the caller)
                 self._thread_error = err
                 ready.set()

@@ -171,7 +171,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     gen.add_argument("--seconds", type=float, required=True, help="duration of audio to generate")
     add_sampling_arguments(gen)
     gen.add_argument("--ref-latents", metavar="NPY", help="a source clip's normalized latents [frames, 64], for editing")
-    add_server_arguments(p, PIPELINE_MODEL, "ensemble", DEFAULT_PIPELINE_TIMEOUT_S)
+    add_server_arguments(p, PIPELINE_MODEL, "model", DEFAULT_PIPELINE_TIMEOUT_S)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", default="auk_pipeline.wav", help="WAV file, written as tiles arrive")
     out.add_argument("--float32", action="store_true", help="32-bit float WAV instead of PCM16")

@@ -1,7 +1,7 @@
-"""Client for the AuK pipeline ensemble: text condition in, streamed audio out.
+"""Client for the AuK pipeline: text condition in, streamed audio out.
 
-- `stream_pipeline(prompt_embeds, seconds, seed)` sends one request to the
-  ensemble `auk_pipeline` (auk_dit -> auk_vae_decode) over a gRPC stream and
+- `stream_pipeline(prompt_embeds, seconds, seed)` sends one request to
+  `auk_pipeline` (the DiT, then the decoder) over a gRPC stream and
   yields a `Tile` for every decoded tile as it arrives.
 - `generate_latents(...)` asks `auk_dit` alone for the latents of the same request.
 
@@ -82,7 +82,7 @@ def pipeline_inputs(
     `extra` adds inputs by name (None: left out).
 
     `batch_axis=True` gives every input a leading axis of 1, as `auk_dit` takes them (it
-    batches requests; the ensembles add that axis themselves)."""
+    batches requests; auk_pipeline and auk_edit take them without it)."""
     arrays = {"PROMPT_EMBEDS": check_prompt_embeds(prompt_embeds) if check else np.asarray(prompt_embeds)}
     if seconds is not None:
         arrays["GEN_SECONDS"] = np.array([seconds], dtype=np.float32)
@@ -124,7 +124,7 @@ def stream_pipeline(
     """Run the pipeline over a gRPC stream, yielding decoded tiles as the server sends them.
 
     `timeout` bounds the whole request. Closing the generator early cancels the
-    request on the server (seen between ensemble steps and between tiles).
+    request on the server (at the DiT's next step or the decoder's next window).
     `check=False` sends the inputs as given (to exercise the server's checks).
     """
     import tritonclient.grpc as grpcclient

@@ -44,3 +44,14 @@ def test_a_model_is_still_building_from_its_line_that_leaves_graphs_for_after_re
     log += line(59, f"auk_dit: 553 {BUILT_AFTER_READY} 150.0 s after READY (118 parts of buckets)")
     assert builds_pending(log) == set()
     assert builds_pending(LOG) == set(), "a model that left nothing for after READY is not waited for"
+
+
+def test_a_model_with_two_building_stages_is_still_building_until_both_have_said_they_are_done():
+    line = 'I1205 05:00:{:02d}.000000 627 triton_common.py:37] "{}"\n'.format
+    log = (line(1, f"auk_pipeline: ready (one response per tile; warmup 9.1 s; 9 graphs {BUILD_AFTER_READY})")
+           + line(2, f"auk_pipeline: 25 step graphs of 36 buckets captured in 6.3 s; 66 buckets (553 graphs) "
+                     f"{BUILD_AFTER_READY}")
+           + line(30, f"auk_pipeline: 9 {BUILT_AFTER_READY} 24.2 s after READY"))
+    assert builds_pending(log) == {"auk_pipeline"}
+    log += line(59, f"auk_pipeline: 553 {BUILT_AFTER_READY} 150.0 s after READY (118 parts of buckets)")
+    assert builds_pending(log) == set()

@@ -1,4 +1,4 @@
-"""auk_dit and the auk_pipeline ensemble on a real tritonserver (CPU, small synthetic weights)."""
+"""auk_dit and auk_pipeline (both stages in one process) on a real tritonserver (CPU, small synthetic weights)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,9 @@ def pipeline_server(tmp_path_factory, small_checkpoint):
     """The streaming decoder (small tiles), auk_dit and auk_pipeline on one server."""
     workdir = tmp_path_factory.mktemp("pipeline")
     checkpoint = _checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
-    repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode",))
-    for model in DIT_MODELS:
-        shutil.copytree(REPO_ROOT / "model_repository" / model, repository / model,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode", "auk_pipeline"))
+    shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     # A gRPC stream left open after its requests keeps its model "live" for the whole exit
     # timeout at shutdown (Triton 2.51): do not wait the default 30 s.
     server = start_triton(workdir, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
@@ -70,7 +69,7 @@ def test_pipeline_streams_the_decode_of_the_dit_latents(pipeline_server):
     assert not np.array_equal(generate_latents(**{**request, "seed": 12}, url=url), latents)
 
 
-def test_optional_inputs_pass_through_the_ensemble(pipeline_server):
+def test_optional_inputs_reach_the_dit_through_the_pipeline(pipeline_server):
     url = pipeline_server.grpc_url
     embeds = random_prompt_embeds(4, seed=1)
     ref = np.random.default_rng(0).standard_normal((20, 64)).astype(np.float32)
@@ -306,6 +305,26 @@ def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_
         assert client.infer("auk_dit", dit_inputs(grpcclient, **dit_base())).as_numpy("LATENTS").shape == (1, 10, 64)
     finally:
         client.close()
+
+
+def test_a_pipeline_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(
+    pipeline_server,
+):
+    import re
+    import time
+
+    url, steps = pipeline_server.grpc_url, 200  # about 10 s of sampling for 20 s of audio on the CPU
+    log_before = len(pipeline_server.log())
+    with pytest.raises(AuKClientError):
+        list(stream_pipeline(random_prompt_embeds(4, seed=5), 20.0, 0, num_steps=steps, url=url, timeout=1.0))
+    deadline = time.monotonic() + 60
+    while not (stopped := re.search(r"auk_pipeline: request cancelled before step (\d+) of (\d+)",
+                                    pipeline_server.log()[log_before:])):
+        assert time.monotonic() < deadline, "the model never stopped the abandoned request"
+        time.sleep(0.1)
+    assert int(stopped.group(2)) == steps and int(stopped.group(1)) < steps / 2, stopped.group(0)
+    tiles = list(stream_pipeline(random_prompt_embeds(3, seed=6), 0.3, 1, num_steps=2, url=url))
+    assert _stitch(tiles).shape == (15 * HOP,)
 
 
 def auk_client_pipeline(argv: list[str]) -> int:

@@ -69,3 +69,25 @@ def test_a_stop_returns_after_the_step_in_progress_with_the_requests_never_answe
     began = time.monotonic()
     assert thread.stop(timeout_s=5) == ["long"] and answers == []
     assert time.monotonic() - began < 1
+
+
+def test_requests_wait_in_order_while_admit_refuses_and_join_once_it_agrees():
+    answers, admitted = [], threading.Event()
+    runs = StandInRuns(steps=1)
+    thread = SamplingThread(runs, lambda tag, result: answers.append(tag), admit=admitted.is_set)
+    for tag in ("a", "b", "c"):
+        thread.submit("plan", tag)
+    time.sleep(0.2)
+    assert answers == [] and len(runs) == 0, "nothing joins while admit refuses"
+    admitted.set()
+    _wait_for(answers, 3)
+    assert answers == ["a", "b", "c"]
+    assert thread.stop() == []
+
+
+def test_a_stop_hands_back_the_requests_admit_held():
+    thread = SamplingThread(StandInRuns(), lambda tag, result: None, admit=lambda: False)
+    thread.submit("plan", "a")
+    thread.submit("plan", "b")
+    time.sleep(0.1)
+    assert thread.stop() == ["a", "b"]

@@ -1,0 +1,123 @@
+"""Triton Python-backend model `auk_pipeline`: text condition in, waveform tiles out, both stages in one process.
+
+Decoupled: one response per decoded tile (WAVEFORM, or WAVEFORM_PCM16 where the request asks
+for it, and START_SAMPLE), the last with the final flag, as `auk_vae_decode` streams them. The
+inputs are `auk_dit`'s, without its batch axis: one clip per request.
+
+The model holds the two stages that `auk_dit` and `auk_vae_decode` serve, built by their code
+from this model's config parameters (each stage reads its own names; a name both read, such as
+`checkpoint` or `max_frames`, means the same to both): the DiT's sampling thread, where a
+request joins its bucket's run between Euler steps (diffusion/joined.py), and the decoder's
+tile scheduler (scheduler.py). A request's latents go from the one to the other inside this
+process, from pinned host memory to the GPU: no response, no hop through Triton.
+
+On a GPU the two stages share one CUDA context, where in two processes their work would take
+turns in time slices: the decoder's stream has the device's highest priority and the DiT's its
+lowest, so a tile that a stream is waiting for starts ahead of the DiT's queued step kernels.
+Their graph builders after READY take turns (cuda_graph.GraphBuilder).
+
+A request that breaks the DiT's limits gets its error before sampling, for that request
+alone; a client that goes away stops its request at the DiT's next step or at the decoder's
+next window.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+
+
+from auk_triton.codec.pcm16 import to_pcm16
+from auk_triton.cuda_graph import priority_stream
+from auk_triton.diffusion import SamplingStopped
+
+from .decode_model import StreamSink, require_decoupled
+from .decode_model import TritonPythonModel as DecodeModel
+from .dit_model import TritonPythonModel as DiTModel
+from .requests import dit_plan, throttled_check
+from .scheduler import Job
+from .triton_common import log, wants_pcm16
+from .triton_io import input_array
+
+
+class _Decoder(DecodeModel):
+    """auk_vae_decode's stage: its decodes go ahead of the DiT's steps on the GPU."""
+
+    def _decode_stream(self):
+        return priority_stream(self.device, first=True) if self.device.type == "cuda" else None
+
+
+class _DiT(DiTModel):
+    """auk_dit's stage: each request's latents go to the decoder, not into a response."""
+
+    def __init__(self, decoder: _Decoder):
+        self.decoder = decoder
+
+    def _sampling_stream(self):
+        return priority_stream(self.device, first=False) if self.device.type == "cuda" else None
+
+    def _admission(self):
+        """A request joins the DiT's runs only while the requests being sampled and the decoder's
+        streams with windows left number fewer than a full run and a full decoder replay hold.
+        At saturation the wait then comes before a request's first audio, not between its tiles:
+        a stream that has begun keeps ahead of its playback."""
+        limit = self.settings.max_batch_requests + max(self.decoder.settings.batch_sizes)
+        scheduler = self.decoder.scheduler
+        return lambda: len(self.joined) + scheduler.active + scheduler.queued < limit
+
+    def _answer(self, tag, result) -> None:
+        """Called on the sampling thread (it must not raise): hand a request's latents to the
+        decoder, or end its stream with the error that ended its sampling."""
+        sink, pcm16 = tag
+        try:
+            if isinstance(result, SamplingStopped):  # its client has gone: nothing to read an error
+                sink.stop(str(result))
+            elif isinstance(result, Exception):
+                sink.fail(result, "generation")
+            else:
+                job = Job(self.decoder.on_device(result), sink, convert=to_pcm16 if pcm16 else None)
+                self.decoder.scheduler.submit(job)
+        except Exception as err:  # the decoder refused it (busy, stopping), or the client is gone
+            try:
+                sink.fail(err)
+            except Exception as send_err:
+                log("warn", f"{self.name}: a response could not be sent: {type(send_err).__name__}: {send_err}")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+        require_decoupled(self.name, json.loads(args["model_config"]))
+        # The decoder first: on a GPU it names cuDNN's errata file before the process's first
+        # convolution (codec/cudnn_timing.py), which the DiT's position embedding would make.
+        self.decoder = _Decoder()
+        self.decoder.initialize(args)
+        self.dit = _DiT(self.decoder)
+        self.dit.initialize(args)
+        if self.dit.sampling is None:
+            raise RuntimeError(f"{self.name} samples each request on its sampling thread: "
+                               "its config must leave join_between_steps on")
+        self.settings = self.dit.settings
+
+    def execute(self, requests):
+        """Check each request and hand it to the DiT's sampling thread; return at once. The
+        decoder's thread sends its tiles."""
+        began = time.monotonic()
+        for request in requests:
+            pcm16 = wants_pcm16(request)
+            sink = StreamSink(self.name, request, pcm16)
+            try:
+                plan = dit_plan(self.dit.sampler, partial(input_array, request), self.settings.max_steps,
+                                self.settings.max_prompt_tokens)
+            except Exception as err:
+                sink.fail(err, "generation")
+                continue
+            self.dit.sampling.submit(plan, (sink, pcm16), throttled_check(sink.cancelled, began))
+        return None
+
+    def finalize(self):
+        for stage in ("dit", "decoder"):
+            if getattr(self, stage, None) is not None:
+                getattr(self, stage).finalize()
+        self.dit = self.decoder = None
