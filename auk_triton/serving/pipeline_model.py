@@ -12,9 +12,12 @@ tile scheduler (scheduler.py). A request's latents go from the one to the other 
 process, from pinned host memory to the GPU: no response, no hop through Triton.
 
 On a GPU the two stages share one CUDA context, where in two processes their work would take
-turns in time slices: the decoder's stream has the device's highest priority and the DiT's its
-lowest, so a tile that a stream is waiting for starts ahead of the DiT's queued step kernels.
-Their graph builders after READY take turns (cuda_graph.GraphBuilder).
+turns in time slices. The decoder queues on a stream of the device's highest priority and the
+DiT on one of its lowest; measured at saturation, that alone did not keep the decoder ahead
+(benchmarks/studies/dit-joined-steps.md), so the DiT also admits a request only while the
+decoder keeps up (`_DiT._admission`): at saturation a request then waits before its first
+audio rather than between its tiles. The graph builders after READY take turns
+(cuda_graph.GraphBuilder).
 
 A request that breaks the DiT's limits gets its error before sampling, for that request
 alone; a client that goes away stops its request at the DiT's next step or at the decoder's
@@ -26,7 +29,6 @@ from __future__ import annotations
 import json
 import time
 from functools import partial
-
 
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.cuda_graph import priority_stream
