@@ -130,6 +130,15 @@ def copy_model_repository(
     return dest
 
 
+def checkpoint_with_dit(source: Path, dest: Path) -> Path:
+    """A copy of the codec checkpoint `source` with the small synthetic DiT added (`source` stays
+    codec-only)."""
+    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
+
+    shutil.copytree(source, dest)
+    return write_synthetic_dit_checkpoint(dest, preset="small", seed=0)
+
+
 def served_first_window(model_repository: Path, model: str = "auk_vae_decode") -> int | None:
     """The first decode window `model` serves, by the model's own rule on its config's parameters."""
     from auk_triton.serving.config import DecodeSettings

@@ -17,7 +17,7 @@ import wave
 import numpy as np
 import pytest
 import torch
-from triton_harness import REPO_ROOT, copy_model_repository, library_tiles, start_triton
+from triton_harness import REPO_ROOT, checkpoint_with_dit, copy_model_repository, library_tiles, start_triton
 
 pytest.importorskip("tritonclient.grpc")
 from auk_client.cli import main as auk_client_main  # noqa: E402
@@ -40,12 +40,8 @@ def set_parameter(config, key: str, value: str) -> None:
 
 @pytest.fixture(scope="module")
 def edit_server(tmp_path_factory, small_checkpoint):
-    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
-
     workdir = tmp_path_factory.mktemp("edit")
-    checkpoint = workdir / "checkpoint"
-    shutil.copytree(small_checkpoint, checkpoint)
-    write_synthetic_dit_checkpoint(checkpoint, preset="small", seed=0)
+    checkpoint = checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
     repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode",))
     for model in ("auk_vae_encode", "auk_dit", "auk_edit"):
         shutil.copytree(REPO_ROOT / "model_repository" / model, repository / model,

@@ -8,7 +8,7 @@ import wave
 
 import numpy as np
 import pytest
-from triton_harness import REPO_ROOT, closed_port, copy_model_repository, start_triton
+from triton_harness import REPO_ROOT, checkpoint_with_dit, closed_port, copy_model_repository, start_triton
 
 pytest.importorskip("tritonclient.grpc")
 from auk_client.cli import main as auk_client_main  # noqa: E402
@@ -19,19 +19,11 @@ HOP = 480
 DIT_MODELS = ("auk_dit", "auk_pipeline")
 
 
-def _checkpoint_with_dit(source, dest):
-    """A copy of the codec checkpoint with the small synthetic DiT added (the source stays codec-only)."""
-    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
-
-    shutil.copytree(source, dest)
-    return write_synthetic_dit_checkpoint(dest, preset="small", seed=0)
-
-
 @pytest.fixture(scope="module")
 def pipeline_server(tmp_path_factory, small_checkpoint):
     """The streaming decoder (small tiles), auk_dit and auk_pipeline on one server."""
     workdir = tmp_path_factory.mktemp("pipeline")
-    checkpoint = _checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
+    checkpoint = checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
     repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode", "auk_pipeline"))
     shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
                     ignore=shutil.ignore_patterns("__pycache__"))

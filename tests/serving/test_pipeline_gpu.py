@@ -6,7 +6,6 @@ of their own give each request's reference: the decode of the latents auk_dit sa
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_harness import copy_model_repository, start_triton
+from triton_harness import checkpoint_with_dit, copy_model_repository, start_triton
 
 from auk_triton.serving.readiness import BUILD_AFTER_READY, BUILT_AFTER_READY
 
@@ -34,12 +33,8 @@ REQUESTS = [dict(prompt_embeds=random_prompt_embeds(5 + i, seed=70 + i), seconds
 
 @pytest.fixture(scope="module")
 def gpu_pipeline(tmp_path_factory, small_checkpoint):
-    from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
-
     workdir = tmp_path_factory.mktemp("gpu-pipeline")
-    checkpoint = workdir / "checkpoint"
-    shutil.copytree(small_checkpoint, checkpoint)
-    write_synthetic_dit_checkpoint(checkpoint, preset="small", seed=0)
+    checkpoint = checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
     repository = copy_model_repository(workdir / "model_repository", models=MODELS)
     for config in repository.glob("*/configs/gpu.pbtxt"):
         text = config.read_text()
