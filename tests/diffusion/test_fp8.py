@@ -45,7 +45,10 @@ def test_a_padded_all_zero_row_gives_the_bias_alone_and_a_large_value_leaves_its
     out = layer(x)
     torch.testing.assert_close(out[0], linear.bias.detach(), rtol=0, atol=0)
     y = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(layer(torch.cat([y, x[1:]])), torch.cat([layer(y), layer(x[1:])]))
+    # Each row on its own scale: stacked or alone, the same products (to the float rounding a
+    # CPU's matrix kernel gives another row count; scaled as one tensor, y would lose its digits).
+    torch.testing.assert_close(layer(torch.cat([y, x[1:]])), torch.cat([layer(y), layer(x[1:])]),
+                               rtol=1e-6, atol=1e-5)
 
 
 def test_widths_that_are_not_multiples_of_16_are_refused_by_name():
