@@ -31,6 +31,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_TILE_FRAMES = 128
 DECODE_MODELS = ("auk_vae_decode", "auk_vae_decode_offline")
+DECODING_MODELS = DECODE_MODELS + ("auk_pipeline",)  # the pipeline holds a decoder too
 FRONT_MAX_FRAMES = 256  # the front_door server's limit: small, so an oversized request is cheap to send
 START_TIMEOUT_S = float(os.environ.get("AUK_TEST_SERVER_TIMEOUT", "300"))
 
@@ -116,7 +117,7 @@ def copy_model_repository(
     found = dict.fromkeys(chosen, 0)
     for model in models:
         shutil.copytree(source / model, dest / model, ignore=shutil.ignore_patterns("__pycache__"))
-        if model not in DECODE_MODELS + ("auk_pipeline",):  # the pipeline holds a decoder too
+        if model not in DECODING_MODELS:
             continue
         config = dest / model / "config.pbtxt"
         for key, value in chosen.items():

@@ -39,7 +39,7 @@ from .decode_model import TritonPythonModel as DecodeModel
 from .dit_model import TritonPythonModel as DiTModel
 from .requests import dit_plan, throttled_check
 from .scheduler import Job
-from .triton_common import log, wants_pcm16
+from .triton_common import wants_pcm16
 from .triton_io import input_array
 
 
@@ -81,10 +81,7 @@ class _DiT(DiTModel):
                 job = Job(self.decoder.on_device(result), sink, convert=to_pcm16 if pcm16 else None)
                 self.decoder.scheduler.submit(job)
         except Exception as err:  # the decoder refused it (busy, stopping), or the client is gone
-            try:
-                sink.fail(err)
-            except Exception as send_err:
-                log("warn", f"{self.name}: a response could not be sent: {type(send_err).__name__}: {send_err}")
+            sink.fail(err)  # it logs a send that fails
 
 
 class TritonPythonModel:

@@ -271,12 +271,23 @@ def test_a_pipeline_request_that_asks_for_the_status_in_its_error_message_gets_i
     assert "[INTERNAL] " in message and OVERFLOW_FAILURE in message, message
 
 
-def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(
-    pipeline_server,
-):
+def _stopped_at_step(server, model: str, log_from: int) -> tuple[int, int]:
+    """The (step, of steps) at which `model` logged, after `log_from`, that it stopped a cancelled
+    request; waits up to 60 s for it."""
     import re
     import time
 
+    deadline = time.monotonic() + 60
+    while not (stopped := re.search(rf"{model}: request cancelled before step (\d+) of (\d+)",
+                                    server.log()[log_from:])):
+        assert time.monotonic() < deadline, f"{model} never stopped the abandoned request"
+        time.sleep(0.1)
+    return int(stopped.group(1)), int(stopped.group(2))
+
+
+def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(
+    pipeline_server,
+):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -288,12 +299,8 @@ def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_
         with pytest.raises(InferenceServerException) as caught:
             client.infer("auk_dit", long, client_timeout=1.0)
         assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
-        deadline = time.monotonic() + 60
-        while not (stopped := re.search(r"auk_dit: request cancelled before step (\d+) of (\d+)",
-                                        pipeline_server.log()[log_before:])):
-            assert time.monotonic() < deadline, "the model never stopped the abandoned request"
-            time.sleep(0.1)
-        assert int(stopped.group(2)) == steps and int(stopped.group(1)) < steps / 2, stopped.group(0)
+        step, of = _stopped_at_step(pipeline_server, "auk_dit", log_before)
+        assert of == steps and step < steps / 2, (step, of)
         assert client.infer("auk_dit", dit_inputs(grpcclient, **dit_base())).as_numpy("LATENTS").shape == (1, 10, 64)
     finally:
         client.close()
@@ -302,19 +309,12 @@ def test_a_dit_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_
 def test_a_pipeline_request_whose_client_gave_up_stops_at_its_next_step_and_the_next_request_is_served(
     pipeline_server,
 ):
-    import re
-    import time
-
     url, steps = pipeline_server.grpc_url, 200  # about 10 s of sampling for 20 s of audio on the CPU
     log_before = len(pipeline_server.log())
     with pytest.raises(AuKClientError):
         list(stream_pipeline(random_prompt_embeds(4, seed=5), 20.0, 0, num_steps=steps, url=url, timeout=1.0))
-    deadline = time.monotonic() + 60
-    while not (stopped := re.search(r"auk_pipeline: request cancelled before step (\d+) of (\d+)",
-                                    pipeline_server.log()[log_before:])):
-        assert time.monotonic() < deadline, "the model never stopped the abandoned request"
-        time.sleep(0.1)
-    assert int(stopped.group(2)) == steps and int(stopped.group(1)) < steps / 2, stopped.group(0)
+    step, of = _stopped_at_step(pipeline_server, "auk_pipeline", log_before)
+    assert of == steps and step < steps / 2, (step, of)
     tiles = list(stream_pipeline(random_prompt_embeds(3, seed=6), 0.3, 1, num_steps=2, url=url))
     assert _stitch(tiles).shape == (15 * HOP,)
 
