@@ -367,7 +367,12 @@ def main() -> None:
         use_compile_cache(Path(cache_dir))  # before the child starts: it inherits the variables
     say(heading(f"DiT and decoder, one process or two: flash, {seconds:g} s clips, {tokens} prompt tokens, "
                 f"{preset} presets (synthetic weights, not real audio)", device.type))
-    checkpoint = synthetic_checkpoint(Path(tempfile.mkdtemp(prefix="auk-one-process-ckpt-")), preset)
+    with tempfile.TemporaryDirectory(prefix="auk-one-process-ckpt-") as folder:
+        run_layouts(args, synthetic_checkpoint(Path(folder), preset), preset, seconds, tokens, device, cache_dir)
+
+
+def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int, device: torch.device,
+                cache_dir: str | None) -> None:
     events: queue.SimpleQueue = queue.SimpleQueue()
     child = ChildDecoding(checkpoint, device, cache_dir, events) if "two processes" in args.layouts else None
     began = time.perf_counter()

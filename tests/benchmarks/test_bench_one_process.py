@@ -65,8 +65,9 @@ def test_open_loop_arrivals_count_the_requests_still_in_flight_when_the_arrivals
     assert all(900 <= ms for ms in phase.first_audio_ms())
 
 
-def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets_and_leaves_no_folder_behind(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+           "TMPDIR": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_one_process.py"), "--small", "--clients", "2",
          "--closed-seconds", "2", "--duration", "1.5", "--one-client-requests", "2",
@@ -83,3 +84,4 @@ def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets():
     for line in lines:
         served, sent = map(int, re.search(r": (\d+) of (\d+) requests", line).groups())
         assert served == sent > 0 and "; 0 errors" in line, line
+    assert not list(tmp_path.iterdir()), "its synthetic checkpoint's folder is removed"
