@@ -32,10 +32,48 @@ _ONE_BUILD_AT_A_TIME = threading.Lock()
 
 
 def priority_stream(device, first: bool) -> torch.cuda.Stream:
-    """A stream of its own on `device`: at the device's highest priority when `first`, else at
-    its lowest. Where both wait, the GPU starts the first one's kernels before the other's."""
+    """A stream of its own on `device` for a serving thread: at the device's highest priority
+    when `first`, else at its lowest. Where both wait, the GPU starts the first one's kernels
+    before the other's. No capture or warm-up of `capture` ever runs on it."""
     low, high = torch.cuda.Stream.priority_range()  # CUDA: a lower number is a higher priority
-    return torch.cuda.Stream(device, priority=high if first else low)
+    with torch.cuda.device(device):
+        return _take_stream(high if first else low)
+
+
+def _take_stream(priority: int = 0) -> torch.cuda.Stream:
+    """A stream of the current device from torch's pool that nothing else here holds, held from
+    now on (`_give_back` ends that). torch hands out its streams of a priority in turn, so a
+    later draw returns an earlier one; a capture on a stream that another thread launches on
+    would take that thread's kernels into its graph."""
+    with _HELD_LOCK:
+        for _ in range(2 * STREAMS_PER_PRIORITY):
+            stream = torch.cuda.Stream(priority=priority)
+            if stream.cuda_stream not in _HELD:
+                _HELD.add(stream.cuda_stream)
+                return stream
+    raise RuntimeError(f"every pooled CUDA stream of priority {priority} is held")
+
+
+def _give_back(stream: torch.cuda.Stream) -> None:
+    with _HELD_LOCK:
+        _HELD.discard(stream.cuda_stream)
+
+
+@contextmanager
+def _stream_for_now(priority: int = 0) -> Iterator[torch.cuda.Stream]:
+    stream = _take_stream(priority)
+    try:
+        yield stream
+    finally:
+        _give_back(stream)
+
+
+# torch's pool of streams per priority and device (c10's kStreamsPerPool).
+STREAMS_PER_PRIORITY = 32
+# The pooled streams in use (their handles): serving threads', capture streams, and the side
+# streams of captures in progress.
+_HELD: set[int] = set()
+_HELD_LOCK = threading.RLock()
 
 
 @contextmanager
@@ -51,7 +89,7 @@ def short_switch_interval(seconds: float = BUILD_SWITCH_INTERVAL_S) -> Iterator[
 
 
 def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
-            beside_serving: bool = False) -> tuple[torch.cuda.CUDAGraph, Output]:
+            beside_serving: bool = False, priority: int | None = None) -> tuple[torch.cuda.CUDAGraph, Output]:
     """Capture one call of `run` (on the current device) as a CUDA graph; return the graph and
     the call's output, the static buffer each replay rewrites.
 
@@ -59,34 +97,52 @@ def capture(run: Callable[[], Output], pool=None, warmups: int = 2,
     and library handles are created lazily and must not happen inside the capture.
     `pool` is a graph memory pool to share (None: the graph gets its own).
 
+    `priority`: that of the stream the graph will replay on (None: the device's default).
+    PyTorch instantiates a graph so that each kernel keeps the priority of the stream it was
+    captured on (CUDA's cudaGraphInstantiateFlagUseNodePriority), whatever stream replays it:
+    a graph meant to go ahead of other work is captured on a stream of that priority.
+
     `beside_serving`: another thread keeps launching work meanwhile (a graph built after
-    the model is ready). The capture then runs on a stream of its own, not torch's one
-    shared capture stream, and in CUDA's thread-local mode, which forbids unsafe calls
-    (an allocation, a synchronisation) on this thread only, not on the serving one. It
+    the model is ready). The capture then runs on a stream of its own, not the one that lone
+    captures of its priority share, and in CUDA's thread-local mode, which forbids unsafe
+    calls (an allocation, a synchronisation) on this thread only, not on the serving one. It
     also skips what `torch.cuda.graph` does first for a lone capture: a device-wide
     synchronisation and emptying the device's and pinned host memory's caches, which the
     serving thread would wait for and then refill.
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
+    with _stream_for_now() as side:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     if not beside_serving:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=_capture_stream(priority or 0)):
             output = run()
         return graph, output
-    own = torch.cuda.Stream()
-    own.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(own):
-        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
-        try:
-            output = run()
-        finally:
-            graph.capture_end()
+    with _stream_for_now(priority or 0) as own:
+        own.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(own):
+            graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+            try:
+                output = run()
+            finally:
+                graph.capture_end()
     return graph, output
+
+
+def _capture_stream(priority: int) -> torch.cuda.Stream:
+    """The capture stream of the current device at `priority`: one, held for good, as torch keeps
+    one for the default (cuBLAS keeps a workspace per stream)."""
+    key = (torch.cuda.current_device(), priority)
+    with _HELD_LOCK:
+        if key not in _CAPTURE_STREAMS:
+            _CAPTURE_STREAMS[key] = _take_stream(priority)
+        return _CAPTURE_STREAMS[key]
+
+
+_CAPTURE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
 Item = TypeVar("Item", bound=Hashable)

@@ -38,6 +38,7 @@ import torch
 
 from auk_triton.codec import AuKVAEDecodeGraph
 from auk_triton.codec.cudnn_timing import ERRATA_ENV
+from auk_triton.cuda_graph import priority_stream
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
 from common import FRAMES_PER_SECOND, heading, latents, percentile, replay_ms, say, served_graph, synthetic_checkpoint
 
@@ -185,7 +186,7 @@ def main() -> None:
                              "while the build runs; none: no build (decoding for 30 s)")
     parser.add_argument("--serving-stream", choices=SERVING_STREAMS, default="current",
                         help="the client's decodes on the current stream (as the model), a stream of their own, "
-                             "or one of high priority")
+                             "or one of the device's highest priority (its graphs captured at it)")
     parser.add_argument("--errata", default="served",
                         help="cuDNN's errata file (engines it neither times nor runs): served (the decoder's), "
                              "none, or a file")
@@ -207,15 +208,16 @@ def main() -> None:
     use_compile_cache(cache)
     say(heading("One client's decodes beside the decoder's deferred builder", "cuda", f", cache {cache}"))
     say(f"build {args.build}, serving stream {args.serving_stream}, errata {args.errata}")
+    stream = None if args.serving_stream == "current" else priority_stream(
+        torch.device("cuda"), first=args.serving_stream == "priority")
     graph = served_graph(synthetic_checkpoint(cache / "checkpoint", "auk"), DecodeSettings(),
-                         precompiled=cache / "decode-precompiled.bin")
+                         precompiled=cache / "decode-precompiled.bin",
+                         stream_priority=None if stream is None else stream.priority)
     began = time.perf_counter()
     pending = graph.warmup("cuda", defer=True)
     say(f"warm-up {time.perf_counter() - began:.1f} s, {len(pending)} graphs deferred; compiled decode "
         f"{graph.compile_note}")
 
-    stream = None if args.serving_stream == "current" else torch.cuda.Stream(
-        priority=-1 if args.serving_stream == "priority" else 0)
     client = Client(graph, latents(int(args.clip_seconds * FRAMES_PER_SECOND), "cuda"), stream, pending)
     for _ in range(50):  # the client's own first calls
         client.decode()

@@ -117,15 +117,18 @@ def served_decoder_options(device: str, precision: str = GPU_DECODE_PRECISION) -
     return {"activation_kernel": activation_kernel_for(dtype), "channels_last": True, "dtype": dtype}
 
 
-def served_graph(checkpoint: Path, settings: DecodeSettings, precompiled: Path | None = None) -> AuKVAEDecodeGraph:
+def served_graph(checkpoint: Path, settings: DecodeSettings, precompiled: Path | None = None,
+                 stream_priority: int | None = None) -> AuKVAEDecodeGraph:
     """The graph wrapper as the decode model builds it on a GPU (decode_model.initialize); with
-    `precompiled`, the decode's trace saved there and loaded by later runs, as the model keeps it."""
+    `precompiled`, the decode's trace saved there and loaded by later runs, as the model keeps it;
+    with `stream_priority`, its graphs captured for a stream of that priority (the pipeline's)."""
     vae = AuKVAE.from_pretrained(checkpoint, device="cuda", **served_decoder_options("cuda"))
     return AuKVAEDecodeGraph(
         vae, enabled=settings.enable_cuda_graphs, frame_alignment=settings.frame_alignment,
         max_graphs=settings.max_graphs, compile_shapes=settings.buckets(), tile_frames=settings.tile_frames,
         first_tile_frames=settings.first_window_frames(), batch_sizes=settings.batch_sizes,
         batch_frames=settings.batch_frames, compile_dynamic=settings.compile_dynamic, precompiled=precompiled,
+        stream_priority=stream_priority,
     )
 
 

@@ -3,6 +3,7 @@
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,3 +59,43 @@ def test_a_build_queue_builds_in_order_and_a_preferred_item_next():
     assert not work.prefer("a") and not work.prefer("z"), "one taken, or never queued, cannot"
     assert [work.next() for _ in range(4)] == ["d", "c", "b", None]
     assert work.preferred == 2 and len(work) == 0
+
+
+class PooledStreams:
+    """torch's CUDA stream pool as it hands streams out: `size` per priority, in turn."""
+
+    def __init__(self, size: int):
+        self.size, self.drawn = size, {}
+
+    def __call__(self, priority: int = 0):
+        index = self.drawn.get(priority, 0)
+        self.drawn[priority] = index + 1
+        return SimpleNamespace(cuda_stream=(priority, index % self.size))
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    import auk_triton.cuda_graph as cuda_graph
+
+    streams = PooledStreams(4)
+    monkeypatch.setattr(cuda_graph.torch.cuda, "Stream", streams)
+    monkeypatch.setattr(cuda_graph, "STREAMS_PER_PRIORITY", streams.size)
+    monkeypatch.setattr(cuda_graph, "_HELD", set())
+    return cuda_graph
+
+
+def test_a_stream_held_for_serving_is_never_drawn_again_though_the_pool_hands_it_out_again(pool):
+    serving = pool._take_stream(0)
+    for _ in range(10):  # well past the pool's turn
+        with pool._stream_for_now(0) as side, pool._stream_for_now(0) as capturing:
+            assert len({serving.cuda_stream, side.cuda_stream, capturing.cuda_stream}) == 3
+    assert pool._take_stream(-1).cuda_stream == (-1, 0), "each priority has a pool of its own"
+
+
+def test_a_stream_held_for_now_comes_back_and_a_priority_whose_streams_are_all_held_is_refused(pool):
+    with pool._stream_for_now(0) as first:
+        pass
+    held = [pool._take_stream(0) for _ in range(4)]
+    assert first.cuda_stream in {stream.cuda_stream for stream in held}
+    with pytest.raises(RuntimeError, match="every pooled CUDA stream of priority 0 is held"):
+        pool._take_stream(0)

@@ -120,8 +120,12 @@ class AuKVAEDecodeGraph:
         batch_frames: int | None = None,
         compile_dynamic: bool = True,
         precompiled: Path | None = None,
+        stream_priority: int | None = None,
     ):
         self.vae = vae
+        # The priority of the stream its replays queue on (None: the device's default); each graph
+        # is captured at it, since a replay keeps the priority of its capture (cuda_graph.capture).
+        self.stream_priority = stream_priority
         self.compile_dynamic = bool(compile_dynamic)
         # Where the traced decode is kept across restarts (precompiled.py); None: traced each start.
         self.precompiled = None if precompiled is None else Path(precompiled)
@@ -551,5 +555,6 @@ class AuKVAEDecodeGraph:
         static_in = self._zero_latent.to(device).expand(rows, frames, -1).contiguous()
         if decode is self._compiled_decode and self._mark_dynamic:
             torch._dynamo.mark_dynamic(static_in, 1)  # one trace for every bucket's length
-        graph, static_out = capture(lambda: decode(static_in), pool=pool, beside_serving=beside_serving)
+        graph, static_out = capture(lambda: decode(static_in), pool=pool, beside_serving=beside_serving,
+                                    priority=self.stream_priority)
         return _Graph(graph, static_in, static_out)

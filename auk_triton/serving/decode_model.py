@@ -154,6 +154,7 @@ class TritonPythonModel:
         check_tensor_widths(self.model_config, {"LATENTS": ("latent_dim", self.vae.latent_dim)})
         log("info", f"{self.name}: loaded {checkpoint} on {self.device} in {time.perf_counter() - began:.1f} s")
 
+        self.stream = self._decode_stream()
         self.graph = AuKVAEDecodeGraph(
             self.vae,
             enabled=settings.enable_cuda_graphs,
@@ -166,6 +167,7 @@ class TritonPythonModel:
             batch_frames=settings.batch_frames,
             compile_dynamic=settings.compile_dynamic,
             precompiled=precompiled_decode_path(artifacts, checkpoint, options),
+            stream_priority=None if self.stream is None else self.stream.priority,
         )
 
         def on_bucket(frames: int, seconds: float, ok: bool) -> None:
@@ -183,7 +185,6 @@ class TritonPythonModel:
         # The scheduler's thread builds the graphs it replays before READY; the deferred ones
         # are built beside it after READY, and it takes each over at its next decode.
         deferred = []
-        self.stream = self._decode_stream()
         self.scheduler.start(warmup=lambda: deferred.extend(
             self.graph.warmup(self.device, on_bucket=on_bucket, defer=settings.defer_graphs)), stream=self.stream)
         self.metrics.record([], 0.0, self.graph)  # the warm-up's captures

@@ -12,12 +12,13 @@ tile scheduler (scheduler.py). A request's latents go from the one to the other 
 process, from pinned host memory to the GPU: no response, no hop through Triton.
 
 On a GPU the two stages share one CUDA context, where in two processes their work would take
-turns in time slices. The decoder queues on a stream of the device's highest priority and the
-DiT on one of its lowest; measured at saturation, that alone did not keep the decoder ahead
-(benchmarks/studies/dit-joined-steps.md), so the DiT also admits a request only while the
-decoder keeps up (`_DiT._admission`): at saturation a request then waits before its first
-audio rather than between its tiles. The graph builders after READY take turns
-(cuda_graph.GraphBuilder).
+turns in time slices. The decoder queues on a stream of the device's highest priority, its
+graphs captured at that priority (a replay keeps its capture's: cuda_graph.capture), and the
+DiT on one of its lowest, the default its graphs are captured at. The DiT also admits a
+request only while the decoder keeps up (`_DiT._admission`): at saturation a request then
+waits before its first audio rather than between its tiles (measured before the decoder's
+graphs kept its priority: benchmarks/studies/dit-joined-steps.md). The graph builders after
+READY take turns (cuda_graph.GraphBuilder).
 
 A request that breaks the DiT's limits gets its error before sampling, for that request
 alone; a client that goes away stops its request at the DiT's next step or at the decoder's
@@ -57,6 +58,7 @@ class _DiT(DiTModel):
         self.decoder = decoder
 
     def _sampling_stream(self):
+        """The device's lowest priority: CUDA's default, the one the DiT's graphs are captured at."""
         return priority_stream(self.device, first=False) if self.device.type == "cuda" else None
 
     def _admission(self):

@@ -9,6 +9,7 @@ import torch
 from auk_triton.codec.decode_graph import AuKVAEDecodeGraph, PendingGraph
 from auk_triton.codec.synthetic import write_synthetic_checkpoint
 from auk_triton.codec.vae import AuKVAE
+from auk_triton.cuda_graph import priority_stream
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,6 +51,26 @@ def test_a_plain_graph_replay_is_bit_identical_with_eager(vae, frames):
         assert graph.last_mode == "graph"
         assert torch.equal(out, vae.decode(clip))
     assert graph.captures == 1
+
+
+def test_a_decode_graph_for_a_priority_stream_captures_its_graphs_at_that_priority(vae, monkeypatch):
+    import auk_triton.codec.decode_graph as decode_graph
+
+    asked, real_capture = [], decode_graph.capture
+
+    def recording_capture(*args, priority=None, **kwargs):
+        asked.append(priority)
+        return real_capture(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(decode_graph, "capture", recording_capture)
+    stream = priority_stream(torch.device("cuda"), first=True)
+    graph = AuKVAEDecodeGraph(vae, compile_shapes=(), stream_priority=stream.priority)
+    clip = latents(37, 3)
+    with torch.cuda.stream(stream):
+        out = graph(clip)  # every tier's graph is captured through `_capture`: here a plain one
+    torch.cuda.synchronize()
+    assert graph.last_mode == "graph" and asked == [stream.priority]
+    assert torch.equal(out, vae.decode(clip))
 
 
 @pytest.mark.parametrize("frames", [128, 512])
