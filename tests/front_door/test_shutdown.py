@@ -145,5 +145,6 @@ def test_stops_through_the_launcher_under_a_live_stream_each_exit_cleanly_within
             assert drain <= ended < EXIT_TIMEOUT_S, f"{what}: cut {ended:.1f} s after SIGINT; the drain is {drain:g} s"
             assert "auk_vae_decode: request cancelled after the tile" in log, f"{what}: the model did not stop it"
         else:
-            assert outcome.error is None and outcome.events[-1] == "tile+final", f"{what}: {outcome}"
+            assert outcome.error is None and outcome.events[-1] == "tile+final", (
+                f"{what}: {outcome} {ended:.1f} s after SIGINT:\n{log[-3000:]}")
             assert outcome.waveform().shape == (frames * HOP,), f"{what}: the stream did not drain to its end"
