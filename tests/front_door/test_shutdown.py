@@ -32,6 +32,10 @@ LAUNCHER_CYCLES = 10  # the three kinds in turn: a launcher's cycle takes 10 to 
 EXIT_TIMEOUT_S = 10
 HOP = 480
 LONG_FRAMES = 4000  # about 25 s of decode on the CPU: past the exit timeout
+# Two windows: the first (its tile is the stream's cue to stop the server) and one more, which
+# the stop lets finish. A window takes up to a second here, and the drain is 5 s: a stream of
+# three more windows (200 frames) outlasted it once on a busy two-core machine.
+DRAINED_FRAMES = 120
 
 
 def test_ten_stops_under_a_live_stream_each_exit_cleanly_within_the_exit_timeout(tmp_path, small_checkpoint):
@@ -41,7 +45,7 @@ def test_ten_stops_under_a_live_stream_each_exit_cleanly_within_the_exit_timeout
         # CPU), and its client cancels it once the stop is sent: it must end at its next window.
         # The others are read to their end.
         cancelled = cycle % 2 == 1
-        frames = 4000 if cancelled else 200
+        frames = LONG_FRAMES if cancelled else DRAINED_FRAMES
         server = start_triton(tmp_path, repository, small_checkpoint, extra_args=[f"--exit-timeout-secs={EXIT_TIMEOUT_S}"])
         stream = DecodeStream(server.grpc_url)
         try:
@@ -111,7 +115,7 @@ def test_stops_through_the_launcher_under_a_live_stream_each_exit_cleanly_within
     drain = settings.stop_drain_seconds(EXIT_TIMEOUT_S)
     for cycle in range(LAUNCHER_CYCLES):
         kind = ("read to its end", "held open after its last response", "outlasting the exit timeout")[cycle % 3]
-        frames = LONG_FRAMES if kind == "outlasting the exit timeout" else 200
+        frames = LONG_FRAMES if kind == "outlasting the exit timeout" else DRAINED_FRAMES
         server = start_front_door(tmp_path, repository, small_checkpoint, extra_args=[f"--exit-timeout-secs={EXIT_TIMEOUT_S}"])
         what = f"cycle {cycle} ({kind})"
         stream = DecodeStream(server.grpc_url)
