@@ -36,7 +36,8 @@ Per request the client checks START_SAMPLE continuity, the final flag and the
 sample count, and times first audio and total; an underrun is a tile that
 arrives after the audio before it has played out, played from the first tile.
 The server's metrics, read around each run, give the decoder's windows per
-replay, its first audio and underruns; `--trace FILE` has tritonserver trace
+replay, its first audio and underruns, and the shares of the run its thread spent
+decoding (launch and wait) and sending; `--trace FILE` has tritonserver trace
 every request, and the report places each run's slowest first audios step by
 step. The decode model's capacity (GPU): `decode_rows` of the served graph
 wrapper timed per bucket and rows, each clip's windows at their bucket's best
@@ -610,9 +611,12 @@ def metrics_after(metrics_url: str | None, before: dict | None, outcomes, timeou
         time.sleep(0.02)
 
 
-def server_numbers(before: dict | None, after: dict | None) -> dict | None:
+def server_numbers(before: dict | None, after: dict | None, wall_s: float | None = None) -> dict | None:
     """The scheduler's numbers between two snapshots: replays, mean windows per replay, first
-    audio (mean, and the histogram bucket that holds its p99) and underruns; None if absent."""
+    audio (mean, and the histogram bucket that holds its p99) and underruns; and, over a run of
+    `wall_s`, the shares of it that the decoder's thread spent launching decodes and waiting for
+    their samples, and in response sends (at saturation: whether it waited on the GPU, or sent).
+    None if absent."""
     if not before or not after or "auk_vae_windows_per_replay_count" not in after:
         return None
 
@@ -630,6 +634,8 @@ def server_numbers(before: dict | None, after: dict | None) -> dict | None:
         "first_audio_p99_le_ms": None if p99_le is None else p99_le * 1e3,
         "underruns": int(grew("auk_vae_underruns_total")),
         "first_tiles": int(firsts),  # requests whose first tile the model sent: the client's count, if clean
+        "decode_share": grew("auk_vae_decode_seconds_total") / wall_s if wall_s else None,
+        "send_share": grew("auk_vae_send_seconds_total") / wall_s if wall_s else None,
     }
 
 
@@ -720,7 +726,7 @@ def run_closed_loop(clients: ClientProcesses, mix: tuple[float, ...], count: int
     wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
     label = f"{count} client{'' if count == 1 else 's'}"
-    return Run("closed", label, mix, outcomes, wall, server=server_numbers(before, after))
+    return Run("closed", label, mix, outcomes, wall, server=server_numbers(before, after, wall))
 
 
 def run_open_loop(clients: ClientProcesses, mix: tuple[float, ...], rate: float, duration: float, max_streams: int,
@@ -739,7 +745,7 @@ def run_open_loop(clients: ClientProcesses, mix: tuple[float, ...], rate: float,
     outcomes, not_started, in_flight = clients.run("open", shares)
     wall = max((outcome.ended for outcome in outcomes), default=start_at) - start_at
     after = metrics_after(metrics_url, before, outcomes)
-    return Run("open", label, mix, outcomes, wall, not_started, server_numbers(before, after), offered=rate,
+    return Run("open", label, mix, outcomes, wall, not_started, server_numbers(before, after, wall), offered=rate,
                duration_s=duration, in_flight=in_flight)
 
 
@@ -1069,7 +1075,16 @@ def run_line(run: Run, baseline: Baseline | None = None) -> str:
             f"{cells['total50']} / p99 {cells['total99']} ms, {cells['audio']} audio s/s ({cells['rate']} req/s, "
             f"{cells['share']} of capacity), underruns {tiles} in {requests} requests, errors {cells['errors']}; "
             f"server: {run.server['first_tiles'] if run.server else 'n/a'} requests, {cells['windows']} windows per "
-            f"replay, first audio mean / p99 {cells['server_first']} ms, underruns {cells['server_underruns']}")
+            f"replay, first audio mean / p99 {cells['server_first']} ms, underruns {cells['server_underruns']}"
+            f"{decoder_busy(run.server)}")
+
+
+def decoder_busy(server: dict | None) -> str:
+    """The decoder thread's busy shares of a run, for its line; empty where unknown."""
+    if not server or server.get("decode_share") is None:
+        return ""
+    return (f", decoder thread {server['decode_share'] * 100:.0f}% decoding (launch and wait), "
+            f"{server['send_share'] * 100:.0f}% sending")
 
 
 SUMMARY_COLUMNS = ("first50", "first99", "total50", "total99", "audio", "rate", "share", "underruns", "errors",

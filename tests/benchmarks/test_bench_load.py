@@ -20,9 +20,11 @@ from bench_load import (  # noqa: E402
     RequestOutcome,
     Workload,
     backlog_trend,
+    decoder_busy,
     open_arrivals,
     pipeline_frames,
     poisson_arrivals,
+    server_numbers,
 )
 from common import recipes  # noqa: E402
 
@@ -145,3 +147,21 @@ def test_dit_executes_are_told_apart_by_their_start_and_grouped_by_the_requests_
     traced = [request(10, 30), request(10, 31), request(50, 70), request(90, 140), request(90, 139),
               {"REQUEST_START": 0}]  # never reached auk_dit
     assert dit_executes(traced) == {1: [20.0], 2: [21.0, 50.0]}
+
+
+def test_the_server_numbers_of_a_run_are_what_its_counters_grew_by_and_the_decoder_s_busy_shares_of_its_time():
+    before = {"auk_vae_windows_per_replay_count": 10, "auk_vae_windows_per_replay_sum": 20,
+              "auk_vae_first_audio_seconds_count": 2, "auk_vae_first_audio_seconds_sum": 0.1,
+              "auk_vae_first_audio_seconds_bucket:0.05": 2, "auk_vae_first_audio_seconds_bucket:0.1": 2,
+              "auk_vae_underruns_total": 1, "auk_vae_decode_seconds_total": 3.0, "auk_vae_send_seconds_total": 1.0}
+    after = {"auk_vae_windows_per_replay_count": 30, "auk_vae_windows_per_replay_sum": 100,
+             "auk_vae_first_audio_seconds_count": 102, "auk_vae_first_audio_seconds_sum": 5.1,
+             "auk_vae_first_audio_seconds_bucket:0.05": 52, "auk_vae_first_audio_seconds_bucket:0.1": 102,
+             "auk_vae_underruns_total": 4, "auk_vae_decode_seconds_total": 9.0, "auk_vae_send_seconds_total": 2.5}
+    numbers = server_numbers(before, after, wall_s=20.0)
+    assert numbers["replays"] == 20 and numbers["windows_per_replay"] == 4.0
+    assert numbers["first_audio_mean_ms"] == pytest.approx(50.0) and numbers["first_audio_p99_le_ms"] == 100.0
+    assert numbers["underruns"] == 3 and numbers["first_tiles"] == 100
+    assert numbers["decode_share"] == pytest.approx(0.3) and numbers["send_share"] == pytest.approx(0.075)
+    assert decoder_busy(numbers) == ", decoder thread 30% decoding (launch and wait), 8% sending"
+    assert decoder_busy(server_numbers(before, after)) == "", "without the run's time, no shares"
