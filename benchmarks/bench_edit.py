@@ -8,9 +8,9 @@ auk_edit ensemble through a real tritonserver (time to first audio).
   it has not seen) and a replay (a length seen before). Also the graphed latents against
   eager's (max abs difference; expected 0) and the GPU encode against the CPU's fp32 encode
   (relative L2), for the first length.
-- Through a real server (auk_vae_encode + auk_dit + auk_vae_decode + auk_edit on the GPU
-  configs), the flash recipe: a unary auk_vae_encode request of a `--edit-seconds` source,
-  and an auk_edit request (that source, `--edit-seconds` of target, 64 prompt tokens) over
+- Through a real server (auk_vae_encode + auk_pipeline + auk_edit on the GPU configs), the
+  flash recipe: a unary auk_vae_encode request of a `--edit-seconds` source, and an auk_edit
+  request (that source, `--edit-seconds` of target, 64 prompt tokens) over
   a gRPC stream: time to first audio (first WAVEFORM tile) and total (final flag), medians
   of `--reps` after a warm-up request.
 
@@ -39,7 +39,7 @@ from auk_triton.codec import AuKVAE, AuKVAEEncoder
 from common import heading, recipe_checkpoints, rel_l2, say, start_server
 
 RATE = 24000
-MODELS = ("auk_vae_encode", "auk_dit", "auk_vae_decode", "auk_edit")
+MODELS = ("auk_vae_encode", "auk_pipeline", "auk_edit")
 
 
 def source_audio(seconds: float, seed: int = 0) -> np.ndarray:

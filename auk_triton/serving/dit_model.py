@@ -2,8 +2,7 @@
 
 One response per request (not decoupled). Triton's dynamic batcher hands `execute`
 requests together, so every input has a leading batch axis of 1 (one clip per
-request; the `auk_edit` ensemble adds and removes it itself). Inputs, after that
-axis:
+request). Inputs, after that axis:
 
 - PROMPT_EMBEDS FP32 [tokens, 2048]: the fused text condition of AuK's encoder stage
   (the encoder itself is not served here);

@@ -42,7 +42,9 @@ def set_parameter(config, key: str, value: str) -> None:
 def edit_server(tmp_path_factory, small_checkpoint):
     workdir = tmp_path_factory.mktemp("edit")
     checkpoint = checkpoint_with_dit(small_checkpoint, workdir / "checkpoint")
-    repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode",))
+    # auk_edit runs auk_vae_encode and auk_pipeline; auk_dit and auk_vae_decode serve the
+    # references its streams are checked against.
+    repository = copy_model_repository(workdir / "model_repository", models=("auk_vae_decode", "auk_pipeline"))
     for model in ("auk_vae_encode", "auk_dit", "auk_edit"):
         shutil.copytree(REPO_ROOT / "model_repository" / model, repository / model,
                         ignore=shutil.ignore_patterns("__pycache__"))
@@ -52,11 +54,12 @@ def edit_server(tmp_path_factory, small_checkpoint):
     config.write_text(config.read_text().replace('name: "auk_vae_encode"', 'name: "auk_vae_encode_tiny"')
                       .replace("dims: [ -1, 64 ]", "dims: [ -1, 8 ]"))
     set_parameter(config, "checkpoint", str(CONFORMANCE))
-    for model in ("auk_vae_decode", "auk_vae_encode", "auk_dit"):
+    for model in ("auk_vae_decode", "auk_vae_encode", "auk_dit", "auk_pipeline"):
         set_parameter(repository / model / "config.pbtxt", "checkpoint", str(checkpoint))
     set_parameter(repository / "auk_vae_encode" / "config.pbtxt", "max_frames", str(ENCODE_MAX_FRAMES))
-    set_parameter(repository / "auk_dit" / "config.pbtxt", "max_frames", str(DIT_MAX_FRAMES))
-    # Five model processes take a few seconds to stop on two cores: more than the harness's 5 s.
+    for model in ("auk_dit", "auk_pipeline"):
+        set_parameter(repository / model / "config.pbtxt", "max_frames", str(DIT_MAX_FRAMES))
+    # Six model processes take a few seconds to stop on two cores: more than the harness's 5 s.
     server = start_triton(workdir, repository, "", extra_args=["--exit-timeout-secs=15"])
     server.checkpoint_dir = checkpoint
     yield server

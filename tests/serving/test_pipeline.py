@@ -151,7 +151,7 @@ def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=No
 
     arrays = {
         "PROMPT_EMBEDS": prompt_embeds,
-        "GEN_SECONDS": np.array([seconds], np.float32),
+        "GEN_SECONDS": None if seconds is None else np.array([seconds], np.float32),
         "SEED": np.array([seed], np.int64),
         "NUM_STEPS": None if num_steps is None else np.array([num_steps], np.int32),
         "GUIDANCE": None if guidance is None else np.array([guidance], np.float32),
@@ -256,6 +256,11 @@ def test_a_bad_request_through_the_pipeline_is_a_400_naming_the_problem_and_a_fa
     assert "max_steps" in message and "failed" not in message, message
     message = pipeline_stream_error(pipeline_server.grpc_url, **{**dit_base(), "prompt_embeds": OVERFLOWING_EMBEDS})
     assert OVERFLOW_FAILURE in message, message
+
+
+def test_a_pipeline_request_without_a_duration_needs_a_reference(pipeline_server):
+    message = pipeline_stream_error(pipeline_server.grpc_url, **{**dit_base(), "seconds": None})
+    assert "no GEN_SECONDS input; only a request with REF_LATENTS may leave it out" in message, message
 
 
 def test_a_pipeline_request_that_asks_for_the_status_in_its_error_message_gets_its_step_s_status(pipeline_server):
