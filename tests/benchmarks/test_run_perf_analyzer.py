@@ -12,7 +12,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "benchmarks" / "run_perf_analyzer.py"
 SECONDS = (0.5, 3.0)  # 3 s spans two tiles at the fixture's tile size
-CONCURRENCY = (1, 2)
+# Two streams at once, the harder case; one concurrency keeps the pass short (each run is a
+# perf_analyzer process or two).
+CONCURRENCY = (2,)
 STREAM_MODEL, OFFLINE_MODEL = "auk_vae_decode", "auk_vae_decode_offline"
 # The script's default --models runs both, each for every clip length and concurrency.
 RUNS_PER_MODEL = len(SECONDS) * len(CONCURRENCY)
@@ -61,7 +63,7 @@ def perf_run(triton, perf_analyzer_binary, tmp_path_factory):
     return proc, out_dir, rows
 
 
-def test_every_model_clip_length_and_concurrency_completes_with_throughput_and_no_failed_requests(perf_run):
+def test_every_model_and_clip_length_completes_with_throughput_and_no_failed_requests(perf_run):
     proc, out_dir, rows = perf_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(rows) == 2 * RUNS_PER_MODEL, rows
