@@ -17,7 +17,10 @@ when each tile is handed over.
   priority and the sampler's at its lowest, so the decoder's kernels go first whenever both
   wait for the GPU.
 
-Per layout: one client's first audio (requests 100 ms apart); the capacity, `--clients`
+Per layout: one client's first audio (requests 100 ms apart), and where it goes: from a
+request's arrival, the median time at which each call of the sampling thread's step
+returned (the first has built the run's context and queued its first step; the last waits
+for the latents' copy), its latents on the host, its first and last tiles; the capacity, `--clients`
 closed-loop clients for `--closed-seconds`; then Poisson arrivals at `--load` of that
 capacity for `--duration` s. First audio runs from a request's arrival to its first tile on
 the host: no client, transport or front door. "Late tiles" are the tiles the scheduler handed
@@ -192,10 +195,11 @@ class ChildDecoding:
 
 
 class RunsOnStream:
-    """JoinedRuns whose submissions and steps are queued on `stream` (None: as they are)."""
+    """JoinedRuns whose submissions and steps are queued on `stream` (None: as they are); each
+    step's return goes to `events` as ("step", None, time)."""
 
-    def __init__(self, runs: JoinedRuns, stream):
-        self.runs, self.stream = runs, stream
+    def __init__(self, runs: JoinedRuns, stream, events):
+        self.runs, self.stream, self.events = runs, stream, events
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -209,7 +213,9 @@ class RunsOnStream:
 
     def step(self):
         with self._on_stream():
-            return self.runs.step()
+            done = self.runs.step()
+        self.events.put(("step", None, time.monotonic()))
+        return done
 
     def drain(self):
         return self.runs.drain()
@@ -238,6 +244,8 @@ class Phase:
     arrived: dict[int, float] = field(default_factory=dict)  # request -> its arrival (monotonic s)
     first: dict[int, float] = field(default_factory=dict)  # -> its first tile
     done: dict[int, float] = field(default_factory=dict)  # -> its last tile
+    latents: dict[int, float] = field(default_factory=dict)  # -> its latents on the host
+    steps: list[float] = field(default_factory=list)  # when each step call returned
     errors: list[str] = field(default_factory=list)
     late_tiles: int = 0
     backlog: int = 0  # in flight when the arrivals ended
@@ -277,6 +285,10 @@ class Load:
                 phase.errors.append(value)
                 if on_done is not None:
                     on_done(time.monotonic())
+            elif kind == "latents":
+                phase.latents[key] = value
+            elif kind == "step":
+                phase.steps.append(value)
             elif kind == "late":
                 phase.late_tiles += key
 
@@ -330,13 +342,30 @@ def summary(name: str, phase: Phase, one_client_ms: float | None = None) -> str:
             + (f" ({phase.errors[0]})" if phase.errors else ""))
 
 
+def one_client_phases(phase: Phase) -> str:
+    """Where a lone request's first audio goes: the medians, in ms from its arrival, of each step
+    call's return, its latents on the host, its first and its last tile."""
+    rows = []
+    for request, arrived in phase.arrived.items():
+        if request in phase.first and request in phase.latents and request in phase.done:
+            steps = [at for at in phase.steps if arrived < at <= phase.latents[request] + 1e-3]
+            rows.append([(at - arrived) * 1e3 for at in (*steps, phase.latents[request], phase.first[request],
+                                                         phase.done[request])])
+    if not rows or len({len(row) for row in rows}) != 1:
+        return "  one client, by phase: not separable (requests overlapped)"
+    medians = [statistics.median(column) for column in zip(*rows)]
+    steps = ", ".join(f"{ms:.2f}" for ms in medians[:-3])
+    return (f"  one client, by phase (median ms from arrival): step calls returned at {steps}; latents on "
+            f"the host {medians[-3]:.2f}; first tile {medians[-2]:.2f}; last tile {medians[-1]:.2f}")
+
+
 def run_layout(load: Load, args) -> list[str]:
     one = load.arrivals([ONE_CLIENT_GAP_S * k for k in range(args.one_client_requests)])
     one_ms = statistics.median(one.first_audio_ms())
     closed, capacity = load.closed_loop(args.clients, args.closed_seconds)
     rate = args.load * capacity
     opened = load.arrivals(poisson(rate, args.duration, args.seed))
-    return [summary("one client", one),
+    return [summary("one client", one), one_client_phases(one),
             summary(f"{args.clients} closed-loop clients", closed) + f"; {capacity:.2f} requests/s",
             summary(f"open loop at {args.load:g} of that ({rate:.2f} requests/s, {args.duration:g} s)", opened, one_ms)
             + f"; backlog {opened.backlog}"]
@@ -356,7 +385,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
     parser.add_argument("--cache-dir", default=None, help="Inductor's and Triton's caches (default: a fresh folder)")
     args = parser.parse_args()
-    device = torch.device("cpu" if args.small else "cuda")
+    # An indexed device: the decoder's thread sets it as its own (TileScheduler.start).
+    device = torch.device("cpu") if args.small else torch.device("cuda", 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --small for the CPU smoke test)")
     preset = "small" if args.small else "auk"
@@ -395,11 +425,12 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
             try:
                 if isinstance(result, Exception):
                     raise result
+                events.put(("latents", request_id, time.monotonic()))
                 decoding.submit(request_id, result)
             except Exception as err:  # the sampling thread's answer must not raise
                 events.put(("error", request_id, f"{type(err).__name__}: {err}"))
 
-        sampling = SamplingThread(RunsOnStream(runs, dit_stream), answer)
+        sampling = SamplingThread(RunsOnStream(runs, dit_stream, events), answer)
         plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
         load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)
         say(f"{layout}:")

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_one_process import Load  # noqa: E402
+from bench_one_process import Load, one_client_phases  # noqa: E402
 
 
 class StandIn:
@@ -40,6 +40,9 @@ class StandIn:
         with self.lock:
             self.held -= 1
         now = time.monotonic()
+        self.events.put(("step", None, now - self.delay_s / 2))  # a step call halfway, one at the end
+        self.events.put(("step", None, now - 0.0005))
+        self.events.put(("latents", request_id, now - 0.0005))
         self.events.put(("first", request_id, now))
         self.events.put(("done", request_id, now))
 
@@ -65,6 +68,19 @@ def test_open_loop_arrivals_count_the_requests_still_in_flight_when_the_arrivals
     assert all(900 <= ms for ms in phase.first_audio_ms())
 
 
+def test_a_lone_requests_phases_are_the_medians_of_its_step_calls_latents_and_tiles_from_its_arrival():
+    layout = StandIn(0.04)
+    phase = Load(layout.submit, layout.events).arrivals([0.0, 0.1, 0.2])
+    line = one_client_phases(phase)
+    calls = re.search(r"step calls returned at ([\d.]+), ([\d.]+); latents on the host ([\d.]+); "
+                      r"first tile ([\d.]+); last tile ([\d.]+)", line)
+    assert calls, line
+    halfway, last_call, latents, first, done = map(float, calls.groups())
+    assert 19 <= halfway < last_call <= latents < first <= done < 80, line
+    overlapped = Load(layout.submit, layout.events).arrivals([0.0, 0.01])  # the second arrives mid-run
+    assert "not separable" in one_client_phases(overlapped)
+
+
 def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets_and_leaves_no_folder_behind(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
            "TMPDIR": str(tmp_path)}
@@ -79,8 +95,9 @@ def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets_and_leaves_
     assert result.returncode == 0, result.stderr[-2000:]
     layouts = re.findall(r"^(two processes|one process|one process, decode first):$", result.stdout, re.M)
     assert layouts == ["two processes", "one process", "one process, decode first"]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("  ") and "by phase" not in line]
     assert len(lines) == 9, result.stdout
+    assert len(re.findall(r"^  one client, by phase", result.stdout, re.M)) == 3, result.stdout
     for line in lines:
         served, sent = map(int, re.search(r": (\d+) of (\d+) requests", line).groups())
         assert served == sent > 0 and "; 0 errors" in line, line
