@@ -43,7 +43,15 @@ from .compiled import CompileOptions, compiled_blocks
 from .deferred import DeferredBuckets, DeferredGraphs
 from .fp8 import check_fp8_support, use_fp8_linears
 from .step_graph import DiTGraphCache
-from .transformer import EAGER_BLOCKS, AuKTransformer, CheckpointError, ModulationTable, load_transformer, read_config
+from .transformer import (
+    EAGER_BLOCKS,
+    AuKTransformer,
+    CheckpointError,
+    ContextMasks,
+    ModulationTable,
+    load_transformer,
+    read_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,9 @@ DEFAULTS = {"nfe": 32, "cfg": 2.0, "sway": -1.0}
 # recipe has one grid (a few for base requests that change their steps or sway): each run
 # of it looks its table up instead of reading every AdaLN's weights again.
 MODULATION_TABLES_KEPT = 8
+# One-request runs' masks kept by padding: a lone request of a bucket and lengths seen before makes
+# its prompt's projection and noise, not the 40-odd kernels of its masks, rotary tables and biases.
+CONTEXT_MASKS_KEPT = 32
 
 
 # --------------------------------------------------------------------------- schedule
@@ -291,6 +302,8 @@ class AuKDiTSampler:
         self.latent_dim = transformer.latent_dim
         self.text_dim = transformer.text_hidden_dim
         self._tables: OrderedDict[tuple[float, ...], ModulationTable] = OrderedDict()
+        # Runs' masks, rotary tables and key biases by their rows' padding (_batch_context).
+        self._masks: OrderedDict[tuple, ContextMasks] = OrderedDict()
         # Buckets whose graphs are built after the service is ready, the thread that builds
         # them, and what is served meanwhile: runs on a larger bucket, and runs beyond those
         # the same requests would take with every graph built (a bucket's batched graphs not
@@ -513,7 +526,9 @@ class AuKDiTSampler:
         structure. A row without a reference among rows with one gets a reference of masked
         frames, which no valid position sees either. `shape` pads to that bucket (a warm-up's),
         not to the one that serves the run now. `states[i]`, when given, is row i's state [frames,
-        C] part-way through its grid (joined.py), in place of its initial noise."""
+        C] part-way through its grid (joined.py), in place of its initial noise. The masks, rotary
+        tables and key biases of a run of one request (not a warm-up's) are kept by its padding and
+        shared by the runs that have it: read only (a graph copies them into buffers of its own)."""
         device, B = self.device, len(plans)
         nt = max(p.text.shape[0] for p in plans)
         n = max(p.frames for p in plans)
@@ -522,38 +537,56 @@ class AuKDiTSampler:
         padded = any(p.text.shape[0] != nt or p.frames != n for p in plans) or (
             np_ > 0 and any(r is None or r.shape[0] != np_ for r in refs)
         )
+        # Kept for a run of one request (a lone request's first step waits on its context); not
+        # for a warm-up, whose context (`shape`) becomes its graphs' buffers.
+        shared = shape is None and B == 1
         if shape is None and self.buckets is not None:
             natural = self.buckets.shape(nt, n, np_)
             shape = self._deferred.served_shape(natural, guided, B)
             self.pending_runs += shape != natural
         if shape is not None:
             nt, n, np_, padded = shape.text, shape.frames, shape.ref, True
+        lengths = tuple((p.text.shape[0], p.frames, None if p.ref is None else p.ref.shape[0]) for p in plans)
+        key = (guided, nt, n, np_, padded, lengths)
+        masks = self._masks.get(key) if shared else None
         text = torch.zeros(B, nt, self.text_dim, dtype=self.dtype, device=device)
-        c_mask = torch.zeros(B, nt, dtype=torch.bool, device=device)
-        mask = torch.zeros(B, n, dtype=torch.bool, device=device) if padded else None
         noise = torch.zeros(B, n, self.latent_dim, dtype=torch.float32, device=device)
-        ref = ref_mask = None
-        if np_:
-            ref = torch.zeros(B, np_, self.latent_dim, dtype=torch.float32, device=device)
-            ref_mask = torch.zeros(B, np_, dtype=torch.bool, device=device) if padded else None
+        ref = torch.zeros(B, np_, self.latent_dim, dtype=torch.float32, device=device) if np_ else None
         for i, plan in enumerate(plans):
-            tokens = plan.text.shape[0]
-            text[i, :tokens] = plan.text.to(device=device, dtype=self.dtype)
-            c_mask[i, :tokens] = True
+            text[i, : plan.text.shape[0]] = plan.text.to(device=device, dtype=self.dtype)
             # Each row's own noise from its own seed, zero-padded: independent of the batch.
             state = None if states is None else states[i]
             if state is None:
                 state = initial_noise(plan.frames, self.latent_dim, plan.seed, device)[0]
             noise[i, : plan.frames] = state
-            if mask is not None:
-                mask[i, : plan.frames] = True
             if plan.ref is not None:
                 ref[i, : plan.ref.shape[0]] = plan.ref.to(device=device, dtype=torch.float32)
-                if ref_mask is not None:
-                    ref_mask[i, : plan.ref.shape[0]] = True
         with self._autocast():
-            ctx = self.model.prepare(text, n, c_mask=c_mask, ref=ref, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
-        return ctx, noise, mask
+            if masks is None:
+                masks = self._context_masks(plans, guided, nt, n, np_, padded)
+                if shared:
+                    self._masks[key] = masks
+                    while len(self._masks) > CONTEXT_MASKS_KEPT:
+                        self._masks.popitem(last=False)
+            else:
+                self._masks.move_to_end(key)
+            ctx = self.model.prepare(text, n, ref=ref, cfg_infer=guided, masks=masks)
+        return ctx, noise, masks.target_mask
+
+    def _context_masks(self, plans: list[Plan], guided: bool, nt: int, n: int, np_: int, padded: bool):
+        """The masks, rotary tables and key biases of a run whose rows are padded to these shapes
+        (`_batch_context`): each row valid up to its own lengths."""
+        B, device = len(plans), self.device
+        c_mask = torch.zeros(B, nt, dtype=torch.bool, device=device)
+        mask = torch.zeros(B, n, dtype=torch.bool, device=device) if padded else None
+        ref_mask = torch.zeros(B, np_, dtype=torch.bool, device=device) if np_ and padded else None
+        for i, plan in enumerate(plans):
+            c_mask[i, : plan.text.shape[0]] = True
+            if mask is not None:
+                mask[i, : plan.frames] = True
+            if ref_mask is not None and plan.ref is not None:
+                ref_mask[i, : plan.ref.shape[0]] = True
+        return self.model.context_masks(c_mask, n, np_, ref_mask=ref_mask, mask=mask, cfg_infer=guided)
 
     def modulation_table(self, grid: torch.Tensor) -> ModulationTable:
         """The modulation of every step of a time grid (CPU), computed on its first run and kept

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable
 
 import torch
@@ -57,6 +57,20 @@ def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
         elif isinstance(value, tuple):
             tensors.extend(value)
     return tensors
+
+
+def _own_buffers(ctx: DiTContext) -> DiTContext:
+    """A copy of a context whose tensors are its own: a graph's buffers, which every run it serves
+    copies its context into, must not be a run's (the sampler shares runs' masks between runs;
+    a warm-up's context is made for its graphs alone)."""
+    changes = {}
+    for field in fields(ctx):
+        value = getattr(ctx, field.name)
+        if isinstance(value, torch.Tensor):
+            changes[field.name] = value.clone()
+        elif isinstance(value, tuple):
+            changes[field.name] = tuple(t.clone() for t in value)
+    return replace(ctx, **changes)
 
 
 def graph_key(ctx: DiTContext, x_shape) -> tuple:
@@ -195,7 +209,8 @@ class DiTGraphCache:
                 self._graphs.popitem(last=False)
             try:
                 x = torch.zeros(x_shape, dtype=torch.float32, device=ctx.c.device)
-                step = _GraphedStep(self.model, ctx, x, self._modulation_buffer(x.device, x_shape[0] * ctx.copies),
+                step = _GraphedStep(self.model, _own_buffers(ctx), x,
+                                    self._modulation_buffer(x.device, x_shape[0] * ctx.copies),
                                     self.autocast, self._pool, EAGER_BLOCKS)
             except Exception as err:  # out of memory, an op that cannot be captured: serve eagerly
                 log.warning("CUDA graph capture failed for shape %s, running eagerly: %s: %s",

@@ -536,6 +536,25 @@ class DiTContext:
         )
 
 
+@dataclass(frozen=True)
+class ContextMasks:
+    """The part of a DiTContext that its padding alone decides (`AuKTransformer.context_masks`):
+    equal rows' lengths give equal tensors, whatever the prompt. Fields as DiTContext's, with
+    `ref_mask` [B, np] (None: no reference, or one unmasked) for the prompt's embedding."""
+
+    copies: int
+    ref_mask: torch.Tensor | None
+    target_mask: torch.Tensor | None
+    c_mask: torch.Tensor
+    audio_mask: torch.Tensor | None
+    single_mask: torch.Tensor | None
+    joint_bias: torch.Tensor | None
+    single_bias: torch.Tensor | None
+    rope_audio: tuple[torch.Tensor, torch.Tensor]
+    rope_text: tuple[torch.Tensor, torch.Tensor]
+    rope_single: tuple[torch.Tensor, torch.Tensor]
+
+
 def _repeat_rows(t: torch.Tensor | None, copies: int) -> torch.Tensor | None:
     return t if t is None or copies == 1 else torch.cat([t] * copies, dim=0)
 
@@ -597,22 +616,24 @@ class AuKTransformer(nn.Module):
         cfg_infer: bool = False,
         drop_text: bool = False,
         drop_audio_cond: bool = False,
+        masks: "ContextMasks | None" = None,
     ) -> DiTContext:
         """One request's conditioning for targets of n frames.
 
         text [B, nt, T]; ref [B, np, C]; masks are boolean, true = valid. `cfg_infer`
         builds [cond; uncond] rows together; `drop_text` / `drop_audio_cond` make a
-        single unconditional branch instead.
+        single unconditional branch instead. `masks` (from `context_masks`, for these
+        shapes, padding and `cfg_infer`) stands for c_mask, ref_mask and mask: a caller that
+        keeps them per padding skips their kernels.
         """
         B, nt, _ = text.shape
-        device = text.device
-        if mask is not None and mask.shape != (B, n):
-            raise ValueError(f"target mask must be [{B}, {n}], got {list(mask.shape)}")
-        if c_mask is None:
-            c_mask = text.ne(0).any(dim=-1)  # padding rows are exactly zero
         if ref is not None and ref.shape[1] == 0:
             ref, ref_mask = None, None
-        np_ = 0 if ref is None else ref.shape[1]
+        if masks is None:
+            if c_mask is None:
+                c_mask = text.ne(0).any(dim=-1)  # padding rows are exactly zero
+            masks = self.context_masks(c_mask, n, 0 if ref is None else ref.shape[1], ref_mask=ref_mask,
+                                       mask=mask, cfg_infer=cfg_infer)
 
         c = self.txt_norm(self.txt_proj(text))
         if drop_text:
@@ -620,15 +641,32 @@ class AuKTransformer(nn.Module):
         prompt = None
         if ref is not None:
             # The unconditional prompt embeds zeros: it still carries the linear and conv biases.
-            cond = None if drop_audio_cond else self.audio_embed(ref, ref_mask)
-            uncond = self.audio_embed(torch.zeros_like(ref), ref_mask) if cfg_infer or drop_audio_cond else None
+            cond = None if drop_audio_cond else self.audio_embed(ref, masks.ref_mask)
+            uncond = (self.audio_embed(torch.zeros_like(ref), masks.ref_mask) if cfg_infer or drop_audio_cond
+                      else None)
             prompt = torch.cat([cond, uncond], dim=0) if cfg_infer else (cond if cond is not None else uncond)
-        copies = 2 if cfg_infer else 1
         if cfg_infer:
             c = torch.cat([c, torch.zeros_like(c)], dim=0)
+        return DiTContext(n=n, copies=masks.copies, c=c, prompt=prompt, target_mask=masks.target_mask,
+                          c_mask=masks.c_mask, audio_mask=masks.audio_mask, single_mask=masks.single_mask,
+                          joint_bias=masks.joint_bias, single_bias=masks.single_bias, rope_audio=masks.rope_audio,
+                          rope_text=masks.rope_text, rope_single=masks.rope_single)
+
+    def context_masks(self, c_mask: torch.Tensor, n: int, np_: int = 0, *, ref_mask: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None, cfg_infer: bool = False) -> "ContextMasks":
+        """What a context's padding gives it (spec section 4.5): c_mask [B, nt]; a reference of
+        np_ frames (0: none) with its ref_mask; the target mask [B, n]. Under autocast, as the
+        steps run: the key biases are in the attention's dtype."""
+        B = c_mask.shape[0]
+        device = c_mask.device
+        if mask is not None and mask.shape != (B, n):
+            raise ValueError(f"target mask must be [{B}, {n}], got {list(mask.shape)}")
+        if np_ == 0:
+            ref_mask = None
+        copies = 2 if cfg_infer else 1
 
         # Masks exist only where padding can (spec section 4.5).
-        if ref is None:
+        if np_ == 0:
             audio_mask = mask
         elif ref_mask is None and mask is None:
             audio_mask = None
@@ -646,11 +684,10 @@ class AuKTransformer(nn.Module):
             single_bias = key_bias(single_mask, dtype)
 
         rope = self.rotary_embed.tables
-        return DiTContext(
-            n=n,
+        nt = c_mask.shape[1]
+        return ContextMasks(
             copies=copies,
-            c=c,
-            prompt=prompt,
+            ref_mask=ref_mask,
             target_mask=mask,
             c_mask=_repeat_rows(c_mask, copies),
             audio_mask=_repeat_rows(audio_mask, copies),

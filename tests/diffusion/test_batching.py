@@ -121,3 +121,59 @@ def test_runs_gather_the_requests_of_one_key_in_order_up_to_the_row_limit():
     assert sampler_runs(schedules, max_rows=3) == [[0, 2, 4], [1, 3, 5], [6]]
     assert sampler_runs(schedules, max_rows=1) == [[i] for i in range(7)]  # batching off: as they came
     assert sampler_runs([], max_rows=4) == []
+
+
+def _context_tensors(ctx):
+    fields = ("target_mask", "c_mask", "audio_mask", "single_mask", "joint_bias", "single_bias")
+    tables = ("rope_audio", "rope_text", "rope_single")
+    return [getattr(ctx, f) for f in fields] + [t for f in tables for t in getattr(ctx, f)]
+
+
+@pytest.mark.parametrize("request_", [GUIDED[2], UNGUIDED[1], UNGUIDED[0]], ids=["guided", "reference", "plain"])
+def test_lone_requests_of_one_padding_share_its_masks_and_get_the_context_a_fresh_sampler_builds(sampler, request_):
+    plan = sampler.plan(request_)
+    guided = plan.schedule.guided
+    sampler._masks.clear()
+    first, _, _ = sampler._batch_context([plan], guided)
+    # The same lengths, another prompt, reference and seed: the masks are the first run's own tensors.
+    other = sampler.plan(Request(prompt(request_.prompt_embeds.shape[0], 50), request_.gen_seconds, 60,
+                                 num_steps=request_.num_steps, guidance=request_.guidance,
+                                 ref_latents=None if request_.ref_latents is None else request_.ref_latents + 1.0))
+    second, noise, mask = sampler._batch_context([other], guided)
+    assert len(sampler._masks) == 1
+    assert all(a is b for a, b in zip(_context_tensors(first), _context_tensors(second)) if a is not None)
+    assert not torch.equal(first.c, second.c)
+    assert mask is second.target_mask
+    # Field by field what a sampler that keeps nothing builds for the same request.
+    sampler._masks.clear()
+    fresh, fresh_noise, _ = sampler._batch_context([other], guided)
+    for kept, built in zip(_context_tensors(second) + [second.c, second.prompt, noise],
+                           _context_tensors(fresh) + [fresh.c, fresh.prompt, fresh_noise]):
+        assert (kept is None and built is None) or torch.equal(kept, built)
+
+
+def test_another_padding_a_batch_or_a_warm_up_gets_masks_of_its_own(sampler):
+    from auk_triton.diffusion.buckets import RunShape
+
+    plans = [sampler.plan(r) for r in UNGUIDED]
+    sampler._masks.clear()
+    ctx, _, _ = sampler._batch_context(plans[1:2], False)
+    shorter = sampler.plan(Request(prompt(3, 70), 0.1, 71, num_steps=2, guidance=0.0, ref_latents=reference(5, 5)))
+    other, _, _ = sampler._batch_context([shorter], False)
+    assert other.c_mask.shape != ctx.c_mask.shape and len(sampler._masks) == 2
+    batch, _, _ = sampler._batch_context(plans, False)  # several requests: built, not kept
+    again, _, _ = sampler._batch_context(plans, False)
+    assert again.c_mask is not batch.c_mask and len(sampler._masks) == 2
+    plan = plans[1]
+    shape = RunShape(text=plan.text.shape[0], frames=plan.frames, ref=plan.ref.shape[0])
+    own, _, _ = sampler._batch_context([plan], False, shape)  # a warm-up's: never kept nor shared
+    assert own.c_mask is not ctx.c_mask and len(sampler._masks) == 2
+
+
+def test_a_graph_captured_for_a_run_copies_the_runs_shared_masks_into_buffers_of_its_own(sampler):
+    from auk_triton.diffusion.step_graph import _own_buffers, _static_tensors
+
+    ctx, _, _ = sampler._batch_context([sampler.plan(r) for r in UNGUIDED], False)
+    own = _own_buffers(ctx)
+    for mine, shared in zip(_static_tensors(own), _static_tensors(ctx)):
+        assert torch.equal(mine, shared) and mine.data_ptr() != shared.data_ptr()
