@@ -12,20 +12,22 @@ when each tile is handed over.
   as an ensemble passes them from one model to the other (`auk_pipeline` did, before it became
   one model);
 - `one process`: the sampling thread and the scheduler's thread in this process, each
-  queuing on a stream of its own, of the same priority;
+  queuing on a stream of its own, of the same priority; the latents stay on the GPU, handed
+  over as their last step is queued (as `auk_pipeline` does);
 - `one process, decode first`: the same, the scheduler's stream at the device's highest
   priority and the sampler's at its lowest, so the decoder's kernels go first whenever both
   wait for the GPU.
 
 Per layout: one client's first audio (requests 100 ms apart), and where it goes: from a
 request's arrival, the median time at which each call of the sampling thread's step
-returned (the first has built the run's context and queued its first step; the last waits
-for the latents' copy), its latents on the host, its first and last tiles; the capacity, `--clients`
-closed-loop clients for `--closed-seconds`; then Poisson arrivals at `--load` of that
-capacity for `--duration` s. First audio runs from a request's arrival to its first tile on
-the host: no client, transport or front door. "Late tiles" are the tiles the scheduler handed
-over after the audio before them had run out (underruns); "backlog" the requests in flight
-when the arrivals end.
+returned (the first has built the run's context and queued its first step), its latents
+handed to the decoder (in two processes once on the host; in one, as their last step is
+queued), its first and last tiles; the capacity, `--clients` closed-loop clients for
+`--closed-seconds`; then Poisson arrivals at `--load` of that capacity for `--duration` s.
+First audio runs from a request's arrival to its first tile on the host: no client,
+transport or front door. "Late tiles" are the tiles the scheduler handed over after the
+audio before them had run out (underruns); "backlog" the requests in flight when the
+arrivals end.
 
 Weights are seeded synthetic ones in the released dims: the audio is not real.
 
@@ -54,7 +56,7 @@ import torch
 from auk_triton.codec import AuKVAE, AuKVAEDecodeGraph
 from auk_triton.diffusion.buckets import ShapeBuckets
 from auk_triton.diffusion.compiled import CompileOptions
-from auk_triton.diffusion.joined import JoinedRuns, to_device
+from auk_triton.diffusion.joined import DeviceLatents, JoinedRuns, to_device
 from auk_triton.diffusion.sampler import AuKDiTSampler, Request
 from auk_triton.diffusion.synthetic import synthetic_transformer
 from auk_triton.serving.config import DecodeSettings, DiTSettings, use_compile_cache
@@ -136,12 +138,17 @@ class Decoding:
                                        settings.max_queued_requests, on_iteration=on_iteration)
         self.scheduler.start(warmup=warmup)
 
-    def submit(self, request_id: int, latents: torch.Tensor) -> None:
-        """Decode a request's latents [frames, C] (on the host); called from any thread. Their copy
-        to the GPU goes on the decoder's stream, not behind the caller's work."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            on_device = to_device(latents.float()[None], self.device)
-        self.scheduler.submit(Job(on_device, ReportingSink(request_id, self.events), arrived=time.monotonic()))
+    def submit(self, request_id: int, latents: torch.Tensor | DeviceLatents) -> None:
+        """Decode a request's latents [frames, C], on the host or left on the GPU by the DiT (as
+        auk_pipeline hands them over); called from any thread. A copy to the GPU goes on the
+        decoder's stream, not behind the caller's work."""
+        sink, arrived = ReportingSink(request_id, self.events), time.monotonic()
+        if isinstance(latents, DeviceLatents):
+            job = Job(latents.latents[None], sink, arrived=arrived, ready=latents.ready, verify=latents.check)
+        else:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                job = Job(to_device(latents.float()[None], self.device), sink, arrived=arrived)
+        self.scheduler.submit(job)
 
     def close(self) -> None:
         self.scheduler.close()
@@ -244,7 +251,7 @@ class Phase:
     arrived: dict[int, float] = field(default_factory=dict)  # request -> its arrival (monotonic s)
     first: dict[int, float] = field(default_factory=dict)  # -> its first tile
     done: dict[int, float] = field(default_factory=dict)  # -> its last tile
-    latents: dict[int, float] = field(default_factory=dict)  # -> its latents on the host
+    latents: dict[int, float] = field(default_factory=dict)  # -> its latents handed to the decoder
     steps: list[float] = field(default_factory=list)  # when each step call returned
     errors: list[str] = field(default_factory=list)
     late_tiles: int = 0
@@ -344,7 +351,7 @@ def summary(name: str, phase: Phase, one_client_ms: float | None = None) -> str:
 
 def one_client_phases(phase: Phase) -> str:
     """Where a lone request's first audio goes: the medians, in ms from its arrival, of each step
-    call's return, its latents on the host, its first and its last tile."""
+    call's return, its latents handed to the decoder, its first and its last tile."""
     rows = []
     for request, arrived in phase.arrived.items():
         if request in phase.first and request in phase.latents and request in phase.done:
@@ -355,8 +362,8 @@ def one_client_phases(phase: Phase) -> str:
         return "  one client, by phase: not separable (requests overlapped)"
     medians = [statistics.median(column) for column in zip(*rows)]
     steps = ", ".join(f"{ms:.2f}" for ms in medians[:-3])
-    return (f"  one client, by phase (median ms from arrival): step calls returned at {steps}; latents on "
-            f"the host {medians[-3]:.2f}; first tile {medians[-2]:.2f}; last tile {medians[-1]:.2f}")
+    return (f"  one client, by phase (median ms from arrival): step calls returned at {steps}; latents "
+            f"handed over {medians[-3]:.2f}; first tile {medians[-2]:.2f}; last tile {medians[-1]:.2f}")
 
 
 def run_layout(load: Load, args) -> list[str]:
@@ -410,7 +417,6 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
     graph = build_decoder(checkpoint, device)
     say(f"DiT built and the decoder loaded in {time.perf_counter() - began:.0f} s")
     texts = [torch.randn(tokens, sampler.text_dim, generator=torch.Generator().manual_seed(i)) for i in range(8)]
-    runs = JoinedRuns(sampler, DiTSettings().max_batch_requests)
     built = False
     for layout in args.layouts:
         if layout == "two processes":
@@ -430,6 +436,8 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
             except Exception as err:  # the sampling thread's answer must not raise
                 events.put(("error", request_id, f"{type(err).__name__}: {err}"))
 
+        # In one process the latents stay on the GPU, as auk_pipeline keeps them.
+        runs = JoinedRuns(sampler, DiTSettings().max_batch_requests, keep_on_device=layout != "two processes")
         sampling = SamplingThread(RunsOnStream(runs, dit_stream, events), answer)
         plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
         load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)

@@ -2,8 +2,9 @@
 
 from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions
-from .sampler import AuKDiTSampler, Plan, Request, SamplingStopped, load_sampler, run_key, sampler_runs
+from .sampler import (AuKDiTSampler, NonFiniteLatents, Plan, Request, SamplingStopped, load_sampler, run_key,
+                      sampler_runs)
 from .transformer import AuKTransformer, CheckpointError
 
-__all__ = ["AuKDiTSampler", "AuKTransformer", "CheckpointError", "CompileOptions", "Plan", "Request", "RunShape",
-           "SamplingStopped", "ShapeBuckets", "load_sampler", "run_key", "sampler_runs"]
+__all__ = ["AuKDiTSampler", "AuKTransformer", "CheckpointError", "CompileOptions", "NonFiniteLatents", "Plan",
+           "Request", "RunShape", "SamplingStopped", "ShapeBuckets", "load_sampler", "run_key", "sampler_runs"]

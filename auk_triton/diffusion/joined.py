@@ -19,11 +19,20 @@ a batch of another size brings: padding is masked exactly, each row draws its
 noise from its own seed, and its update `x + dt * v` is formed as a run's is (the
 product in the velocity's dtype, added into fp32 x).
 
-Queuing a step never waits for the GPU. Each request's prompt, reference and step
+Queuing a step itself never waits for the GPU. Each request's prompt, reference and step
 sizes go to the device once, when it is submitted, from pinned memory; a row that
 leaves has its latents copied to pinned host memory behind its last step, and is
 handed back by the next `step()`, which waits for that copy alone once its own step
-is queued: the GPU computes the next step while the caller answers the row.
+is queued: the GPU computes the next step while the caller answers the row. With
+`keep_on_device` (a stage in the same process reads them there), a row leaves
+with its latents on the GPU instead, handed back by the very `step()` that queues
+its last step (`DeviceLatents`): that stage can queue its own work behind the step
+before the step has run.
+
+Nor does the thread run ahead of the GPU: once it has queued a step, it waits until
+the one before has run (STEPS_QUEUED_AHEAD). Queued further ahead, steps would take
+their rows before a request that arrives meanwhile could join them: it would wait for
+the whole queue, not for one step.
 """
 
 from __future__ import annotations
@@ -34,8 +43,12 @@ from typing import Callable, Hashable
 
 import torch
 
-from .sampler import AuKDiTSampler, Plan, SamplingStopped, cfg_combine
+from .sampler import AuKDiTSampler, NonFiniteLatents, Plan, SamplingStopped, cfg_combine
 from .transformer import ModulationTable
+
+# Steps queued behind the one the GPU runs when the thread queues the next: one keeps the GPU
+# busy meanwhile, and a request that arrives waits for at most two steps to join.
+STEPS_QUEUED_AHEAD = 1
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,6 +69,33 @@ def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     done = torch.cuda.Event()
     done.record()
     return host, done
+
+
+@dataclass(eq=False)
+class DeviceLatents:
+    """A row's latents [frames, C] fp32 left on its GPU, final once `ready` has passed: an event
+    on the sampling stream behind the row's last step. A reader on another stream waits for it
+    there, and records its stream on `latents` (they were made on the sampling stream's memory).
+    `finite` is a pinned host flag, copied before `ready`."""
+
+    latents: torch.Tensor
+    ready: torch.cuda.Event
+    finite: torch.Tensor
+
+    @classmethod
+    def behind(cls, latents: torch.Tensor) -> DeviceLatents:
+        """`latents`, copied out of their run's state, and their flag, queued on the current stream."""
+        finite = torch.empty((), dtype=torch.bool, pin_memory=True)
+        finite.copy_(torch.isfinite(latents).all(), non_blocking=True)
+        latents = latents.clone()
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(latents, ready, finite)
+
+    def check(self) -> None:
+        """Raise NonFiniteLatents if they are not finite; only once `ready` has passed."""
+        if not bool(self.finite):
+            raise NonFiniteLatents()
 
 
 @dataclass(eq=False)
@@ -105,11 +145,13 @@ class JoinedRuns:
 
     Not thread-safe: one thread submits and steps (a server's sampling thread)."""
 
-    def __init__(self, sampler: AuKDiTSampler, max_requests: int):
+    def __init__(self, sampler: AuKDiTSampler, max_requests: int, keep_on_device: bool = False):
         self.sampler, self.max_requests = sampler, max(1, max_requests)
+        self.keep_on_device = keep_on_device and torch.device(sampler.device).type == "cuda"
         self._runs: OrderedDict[Hashable, _Run] = OrderedDict()
         self._alone = 0  # keys of requests past the largest bucket: each runs alone
         self._leaving: list[tuple[object, torch.Tensor, torch.cuda.Event | None]] = []  # copies under way
+        self._queued: deque[torch.cuda.Event] = deque()  # the end of each step queued on a GPU
         self.steps = 0  # velocity calls made
         self.stepped_rows = 0  # requests summed over them: / steps, the requests a step serves
 
@@ -137,9 +179,9 @@ class JoinedRuns:
     def step(self) -> list[tuple[object, torch.Tensor | Exception]]:
         """Queue one step of the next run (runs take turns), and return (tag, result) of each row
         that has left: its latents [frames, C] fp32 on the host, or the exception that ended it
-        (SamplingStopped, a RuntimeError for non-finite latents, or the run's own error, which
-        ends all its rows). Rows that finish with this step come back from the next call, or
-        from this one when no run is left to step."""
+        (SamplingStopped, NonFiniteLatents, or the run's own error, which ends all its rows).
+        Rows that finish with this step come back from the next call, or from this one when no
+        run is left to step; with `keep_on_device`, from this one, as DeviceLatents."""
         leaving, self._leaving = self._leaving, []
         done: list[tuple[object, torch.Tensor | Exception]] = []
         if self._runs:
@@ -154,6 +196,7 @@ class JoinedRuns:
                 run.batch = None
             if not run.rows and not run.waiting:
                 del self._runs[key]
+            self._pace()
         if not self._runs:
             leaving, self._leaving = leaving + self._leaving, []
         return done + [(tag, _finished(latents, copied)) for tag, latents, copied in leaving]
@@ -200,8 +243,22 @@ class JoinedRuns:
         for i, row in reversed(list(enumerate(rows))):
             row.step += 1
             if row.step == row.steps:
-                self._leaving.append((row.tag, *to_host(batch.x[i, : row.plan.frames])))
+                latents = batch.x[i, : row.plan.frames]
+                if self.keep_on_device:
+                    done.append((row.tag, DeviceLatents.behind(latents)))
+                else:
+                    self._leaving.append((row.tag, *to_host(latents)))
                 self._leave(run, row)
+
+    def _pace(self) -> None:
+        """Mark the end of the step just queued, and wait until at most STEPS_QUEUED_AHEAD steps, it
+        included, are left to run: the requests that arrive meanwhile join the next one."""
+        if torch.device(self.sampler.device).type != "cuda":
+            return
+        self._queued.append(torch.cuda.Event())
+        self._queued[-1].record()
+        while len(self._queued) > STEPS_QUEUED_AHEAD:
+            self._queued.popleft().synchronize()
 
     @staticmethod
     def _unbatch(run: _Run) -> None:
@@ -258,5 +315,5 @@ def _finished(latents: torch.Tensor, copied: torch.cuda.Event | None) -> torch.T
     if copied is not None:
         copied.synchronize()  # this row's copy alone, not the steps queued after it
     if not bool(torch.isfinite(latents).all()):
-        return RuntimeError("the DiT produced non-finite latents")
+        return NonFiniteLatents()
     return latents

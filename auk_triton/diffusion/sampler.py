@@ -164,6 +164,13 @@ class SamplingStopped(RuntimeError):
     """`generate` stopped before its end because `should_stop` said so."""
 
 
+class NonFiniteLatents(RuntimeError):
+    """A request's latents came out with NaN or infinite values."""
+
+    def __init__(self):
+        super().__init__("the DiT produced non-finite latents")
+
+
 def run_key(schedule: Schedule) -> tuple:
     """Plans whose schedules have equal keys can share a sampler run: one grid, one guidance mode."""
     return tuple(schedule.grid.tolist()), schedule.guided
@@ -508,7 +515,7 @@ class AuKDiTSampler:
             if stop is not None:
                 results.append(stop)
             elif not bool(torch.isfinite(latents).all()):
-                results.append(RuntimeError("the DiT produced non-finite latents"))
+                results.append(NonFiniteLatents())
             else:
                 results.append(latents)
         return results

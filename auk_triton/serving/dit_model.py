@@ -111,7 +111,7 @@ class TritonPythonModel:
         self.sampling = None
         if settings.join_between_steps:
             self._seen = self._fallbacks()
-            self.joined = JoinedRuns(self.sampler, settings.max_batch_requests)
+            self.joined = JoinedRuns(self.sampler, settings.max_batch_requests, keep_on_device=self._keeps_latents())
             self.sampling = SamplingThread(self.joined, self._answer, after_step=self._after_step,
                                            stream=self._sampling_stream(), admit=self._admission())
 
@@ -119,6 +119,11 @@ class TritonPythonModel:
         """The stream the sampling thread queues its steps on; None: its thread's default. A model
         alone in its process has the GPU's queue to itself (the pipeline's DiT does not)."""
         return None
+
+    def _keeps_latents(self) -> bool:
+        """Whether a request's latents stay on the GPU when it leaves its run (JoinedRuns'
+        `keep_on_device`): for a stage in this process. Alone, this model answers with them."""
+        return False
 
     def _admission(self):
         """What a request waits for before it joins the runs (SamplingThread's `admit`); None:

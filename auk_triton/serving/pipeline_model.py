@@ -9,7 +9,10 @@ from this model's config parameters (each stage reads its own names; a name both
 `checkpoint` or `max_frames`, means the same to both): the DiT's sampling thread, where a
 request joins its bucket's run between Euler steps (diffusion/joined.py), and the decoder's
 tile scheduler (scheduler.py). A request's latents go from the one to the other inside this
-process, from pinned host memory to the GPU: no response, no hop through Triton.
+process: no response, no hop through Triton. On a GPU they stay there, handed over as the DiT
+queues its last step: the decoder queues the first window behind that step (its stream waits
+for the step's event) while the step runs, if it has nothing else to decode, and checks them
+for NaN before the first tile leaves. On a CPU they go through the host, checked there.
 
 On a GPU the two stages share one CUDA context, where in two processes their work would take
 turns in time slices. The decoder queues on a stream of the device's highest priority, its
@@ -33,7 +36,8 @@ from functools import partial
 
 from auk_triton.codec.pcm16 import to_pcm16
 from auk_triton.cuda_graph import priority_stream
-from auk_triton.diffusion import SamplingStopped
+from auk_triton.diffusion import NonFiniteLatents, SamplingStopped
+from auk_triton.diffusion.joined import DeviceLatents
 
 from .decode_model import StreamSink, require_decoupled
 from .decode_model import TritonPythonModel as DecodeModel
@@ -51,11 +55,21 @@ class _Decoder(DecodeModel):
         return priority_stream(self.device, first=True) if self.device.type == "cuda" else None
 
 
+class _Sink(StreamSink):
+    """A request's stream: what fails it is its generation or its decode."""
+
+    def fail(self, error: Exception, action: str = "decode") -> None:
+        super().fail(error, "generation" if isinstance(error, NonFiniteLatents) else action)
+
+
 class _DiT(DiTModel):
     """auk_dit's stage: each request's latents go to the decoder, not into a response."""
 
     def __init__(self, decoder: _Decoder):
         self.decoder = decoder
+
+    def _keeps_latents(self) -> bool:
+        return True
 
     def _sampling_stream(self):
         """The device's lowest priority: CUDA's default, the one the DiT's graphs are captured at."""
@@ -80,7 +94,12 @@ class _DiT(DiTModel):
             elif isinstance(result, Exception):
                 sink.fail(result, "generation")
             else:
-                job = Job(self.decoder.on_device(result), sink, convert=to_pcm16 if pcm16 else None)
+                convert = to_pcm16 if pcm16 else None
+                if isinstance(result, DeviceLatents):
+                    job = Job(result.latents.unsqueeze(0), sink, convert=convert, ready=result.ready,
+                              verify=result.check)
+                else:
+                    job = Job(self.decoder.on_device(result), sink, convert=convert)
                 self.decoder.scheduler.submit(job)
         except Exception as err:  # the decoder refused it (busy, stopping), or the client is gone
             sink.fail(err)  # it logs a send that fails
@@ -107,7 +126,7 @@ class TritonPythonModel:
         began = time.monotonic()
         for request in requests:
             pcm16 = wants_pcm16(request)
-            sink = StreamSink(self.name, request, pcm16)
+            sink = _Sink(self.name, request, pcm16)
             try:
                 plan = dit_plan(self.dit.sampler, partial(input_array, request), self.settings.max_steps,
                                 self.settings.max_prompt_tokens)

@@ -20,9 +20,20 @@ windows (and count an underrun when a tile leaves after its deadline).
 On a GPU the next iteration's decode is launched before the tiles of this one
 are handed over (their samples are copied to pinned host memory first, in
 stream order, so the next replay cannot overwrite them): the GPU decodes while
-Python sends. A request's host-side check (NaN and infinite values) runs while
-its first window decodes; a request that fails it, or is cancelled, leaves its
-batch without touching the other rows.
+Python sends. Not when the next one only goes on with the streams whose first
+tile this iteration holds, their audio not due for a while (`deliver_first`),
+as for a request alone: launching a replay holds the thread for up to a
+millisecond, which a first tile need not wait for. A request's host-side check
+(NaN and infinite values) runs while its first window decodes; a request that
+fails it, or is cancelled, leaves its batch without touching the other rows.
+
+Latents still being made. A job may come with its latents before they are
+final (`Job.ready`, a CUDA event behind the work that makes them: the DiT's
+last step, in the same process). Its first window then waits on the GPU for
+that event, not on the host; but it is taken only when no other request has a
+window to decode, or once the event has passed, so the windows of streams in
+progress never queue behind a step that has yet to run. Its `verify` (the
+latents' finite flag, copied behind them) runs before its first tile leaves.
 
 Bounded work. At most `max_active` requests are in the scheduler; past it a
 request waits in the scheduler's own first-come-first-served queue, and past
@@ -66,6 +77,10 @@ STALE_FIRST_WINDOW_S = 0.02
 # iteration or a few, not only when that request's next window comes round, after other
 # windows of it have decoded for nobody.
 CANCELLED_SWEEP_SHARE = 0.1
+# An iteration is handed over before the next one is launched when that next one only goes on
+# with the streams whose first tile it holds, and their audio is due this much later or more
+# (`deliver_first`): a replay or two; the next one waits for the sends.
+DELIVER_FIRST_SLACK_S = 0.1
 
 
 class StreamSink(Protocol):
@@ -105,6 +120,8 @@ class Job:
     windows: list[tuple[int, int, int, int]] = field(default_factory=list)
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the device, before the copy
     check: Callable[[], None] | None = None  # host check, run while the first window decodes
+    ready: torch.cuda.Event | None = None  # passed once the latents are final (None: they are)
+    verify: Callable[[], None] | None = None  # run before the first tile leaves, after the GPU work
     arrived: float = 0.0
     next_window: int = 0
     first_sent: float | None = None  # when its first tile was handed over
@@ -137,6 +154,26 @@ def pick_batch(
     return same[: capacity(key)]
 
 
+def decodable(jobs: Sequence[Job]) -> list[Job]:
+    """The jobs whose next window may be taken: those whose latents are final, or all of them
+    when none of those has a window left (the module docstring's "latents still being made")."""
+    final = [job for job in jobs if job.ready is None or job.ready.query()]
+    if any(job.next_window < len(job.windows) for job in final):
+        return final
+    return list(jobs)
+
+
+def deliver_first(first_tiles: Sequence[Job], batch: Sequence[Job], frame_seconds: float) -> bool:
+    """Whether to hand an iteration's tiles over before launching `batch` (taken: each job's
+    window index has moved on): when `batch` only goes on with streams whose first tile is in
+    that iteration (`first_tiles`), none of them due within DELIVER_FIRST_SLACK_S of that tile.
+    Their audio cannot play before that tile anyway, and a batch with any other window keeps
+    the look-ahead: under load, the replays queue back to back."""
+    if not batch or any(job not in first_tiles for job in batch):
+        return False
+    return all(job.windows[job.next_window - 2][3] * frame_seconds >= DELIVER_FIRST_SLACK_S for job in batch)
+
+
 @dataclass
 class _InFlight:
     """One iteration's tiles, copied (or being copied) to the host."""
@@ -146,6 +183,10 @@ class _InFlight:
     rows: int
     mode: str | None  # the decode tier that served the replay
     decode_seconds: float  # launching the decode and, later, waiting for its samples
+
+    def first_tiles(self) -> list[Job]:
+        """The jobs whose first tile this is."""
+        return [job for job, _, _, _ in self.tiles if job.first_sent is None and not job.finished]
 
 
 @dataclass
@@ -305,6 +346,10 @@ class TileScheduler:
             for job in asked:  # a tile of theirs still in flight is dropped on delivery
                 self._end(job, job.sink.stop)
             try:
+                if in_flight is not None and deliver_first(in_flight.first_tiles(), batch,
+                                                           self.hop_size / self.sample_rate):
+                    self._deliver(in_flight)
+                    in_flight = None
                 launched = self._launch(batch) if batch else None
                 if launched is not None and not self.look_ahead:
                     self._deliver(launched)
@@ -346,7 +391,7 @@ class TileScheduler:
     def _take_batch(self) -> list[Job]:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         batch = pick_batch(
-            [job for job in self._jobs if not job.stop_asked],
+            decodable([job for job in self._jobs if not job.stop_asked]),
             key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
             capacity=self.decoder.batch_capacity,
             now=self.clock(),
@@ -373,6 +418,12 @@ class TileScheduler:
             return None
         rows = []
         for job in live:
+            if job.ready is not None:  # its latents are still being made: the GPU waits, not this thread
+                if self.device.type == "cuda":
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(job.ready)
+                    job.latents.record_stream(stream)  # made on another stream: kept until read here
+                job.ready = None
             start, size, _, _ = job.windows[job.next_window - 1]
             rows.append(job.latents[:, start : start + size])
         try:
@@ -418,6 +469,13 @@ class TileScheduler:
         for job, start_sample, host, last in in_flight.tiles:
             if job.finished:  # failed or cancelled since
                 continue
+            if job.first_sent is None and job.verify is not None:
+                verify, job.verify = job.verify, None
+                try:
+                    verify()
+                except Exception as err:
+                    self._end(job, lambda job=job, err=err: job.sink.fail(err))
+                    continue
             now = self.clock()
             if job.first_sent is None:
                 job.first_sent = now

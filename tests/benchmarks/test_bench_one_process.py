@@ -72,7 +72,7 @@ def test_a_lone_requests_phases_are_the_medians_of_its_step_calls_latents_and_ti
     layout = StandIn(0.04)
     phase = Load(layout.submit, layout.events).arrivals([0.0, 0.1, 0.2])
     line = one_client_phases(phase)
-    calls = re.search(r"step calls returned at ([\d.]+), ([\d.]+); latents on the host ([\d.]+); "
+    calls = re.search(r"step calls returned at ([\d.]+), ([\d.]+); latents handed over ([\d.]+); "
                       r"first tile ([\d.]+); last tile ([\d.]+)", line)
     assert calls, line
     halfway, last_call, latents, first, done = map(float, calls.groups())

@@ -105,6 +105,56 @@ def test_requests_joining_runs_between_steps_get_their_own_runs_latents_capture_
     assert served.graphs.captures == captures and served.graphs.request_captures == 0
 
 
+def test_latents_kept_on_the_gpu_leave_with_the_step_that_makes_them_and_equal_those_sent_to_the_host(served):
+    from auk_triton.diffusion import NonFiniteLatents
+    from auk_triton.diffusion.joined import DeviceLatents, JoinedRuns
+
+    request = _request(7, 0.6, 7, guidance=2.0)
+    plans = {"host": served.plan(request), "device": served.plan(request)}
+    host, kept = JoinedRuns(served, 16), JoinedRuns(served, 16, keep_on_device=True)
+    results = {}
+    host.submit(plans["host"], "host")
+    while len(host):
+        results.update(host.step())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # handing them over never waits for the GPU
+    try:
+        kept.submit(plans["device"], "device")
+        steps = [kept.step() for _ in range(request.num_steps)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert steps[:-1] == [[]] * (request.num_steps - 1) and not len(kept), "handed back with its last step"
+    (tag, left), = steps[-1]
+    assert tag == "device" and isinstance(left, DeviceLatents) and left.latents.is_cuda
+    left.ready.synchronize()
+    left.check()
+    assert torch.equal(left.latents.cpu(), results["host"]), "the same latents as the host copy"
+
+    nan = DeviceLatents.behind(torch.full((4, 64), float("nan"), device="cuda"))
+    nan.ready.synchronize()
+    with pytest.raises(NonFiniteLatents, match="non-finite latents"):
+        nan.check()
+
+
+def test_the_sampling_thread_keeps_one_step_queued_ahead_of_the_gpu_and_no_more(served):
+    from auk_triton.diffusion.joined import STEPS_QUEUED_AHEAD, JoinedRuns
+
+    assert STEPS_QUEUED_AHEAD == 1
+    runs = JoinedRuns(served, 16)
+    runs.submit(served.plan(_request(8, 0.6, 7, guidance=0.0)), "one")
+    before = []  # an event before each step call, behind a stretch of GPU work that holds it back
+    while len(runs):
+        torch.cuda._sleep(20_000_000)
+        before.append(torch.cuda.Event())
+        before[-1].record()
+        runs.step()
+        if len(before) > 1:
+            assert before[-2].query(), "two steps were still to run when the call returned"
+        if len(runs):
+            assert not before[-1].query(), "the call waited for the step it queued, not the one before"
+    assert len(before) == 4
+
+
 def test_requests_in_the_buckets_capture_and_compile_nothing(served):
     graphs = served.graphs
     assert graphs.captures == BUCKETS.graphs() and graphs.compile_failures == 0

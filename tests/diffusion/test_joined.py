@@ -152,6 +152,15 @@ def test_a_finished_row_comes_back_from_the_next_step_once_queued_or_at_once_whe
     assert sorted(runs.drain()) == ["again", "other"] and not len(runs), "a row on its way back is drained too"
 
 
+def test_latents_kept_on_the_device_come_back_through_the_host_on_a_cpu(sampler):
+    request = Request(prompt(4, 62), 0.1, 62, num_steps=2, guidance=0.0)
+    runs = JoinedRuns(sampler, 8, keep_on_device=True)
+    assert not runs.keep_on_device, "nothing to keep them on"
+    results = _run(runs, {0: [("one", request)]}, sampler)
+    assert isinstance(results["one"], torch.Tensor)
+    assert max_error(results["one"], sampler.generate(request)) < TOLERANCE
+
+
 def test_drain_gives_back_every_request_held(sampler):
     runs = JoinedRuns(sampler, 1)
     for tag in "abc":

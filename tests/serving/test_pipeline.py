@@ -140,7 +140,7 @@ INTERNAL = {"grpc": "StatusCode.INTERNAL", "http": "500"}
 # Prompt embeddings at the float32 limit pass every request check (they are finite) and
 # overflow the DiT's attention: the sampler's own check of its output fails the generation.
 OVERFLOWING_EMBEDS = np.full((2, 2048), 3e38, np.float32)
-OVERFLOW_FAILURE = "generation failed: RuntimeError: the DiT produced non-finite latents"
+OVERFLOW_FAILURE = "generation failed: NonFiniteLatents: the DiT produced non-finite latents"
 
 
 def dit_inputs(module, prompt_embeds, seconds, seed, num_steps=None, guidance=None, sway=None, ref_latents=None,

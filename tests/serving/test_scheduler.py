@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
-from auk_triton.serving.scheduler import Job, TileScheduler, pick_batch
+from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, Job, TileScheduler, decodable, deliver_first,
+                                         pick_batch)
 
 HOP = 4
 WINDOW = 10  # frames per window of the stand-in plan
@@ -322,6 +323,117 @@ def test_a_request_whose_check_fails_gets_its_error_and_its_batch_still_decodes(
     for sink in (good, other):
         assert sink.ended.wait(10) and sink.ending == "complete"
         torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
+
+
+class Flag:
+    """A stand-in for the CUDA event that marks a job's latents final."""
+
+    def __init__(self, passed: bool):
+        self.passed = passed
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_a_request_whose_latents_are_still_being_made_waits_while_others_have_windows_then_goes_alone(
+        scheduler_of):
+    decoder = StandInDecoder(capacity=4)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log = []
+    ready = submit(scheduler, 30, 1.0, log)  # three windows, its first one held at the gate
+    making = RecordingSink(log, 2.0)
+    scheduler.submit(Job(clip(20, 2.0), making, ready=Flag(False)))
+    decoder.gate.set()
+    assert ready.ended.wait(10) and making.ended.wait(10)
+    assert making.ending == "complete", "taken once no other request had a window left"
+    tags = [tag for batch in decoder.batches for tag in batch]
+    assert tags == [1.0, 1.0, 1.0, 2.0, 2.0], decoder.batches
+    torch.testing.assert_close(making.waveform(), expected_waveform(20), rtol=0, atol=0)
+
+
+def test_only_jobs_whose_latents_are_final_are_decodable_while_any_of_them_has_a_window_left():
+    final, making, passed = (Job(clip(20, tag), RecordingSink([], tag)) for tag in (1.0, 2.0, 3.0))
+    making.ready, passed.ready = Flag(False), Flag(True)
+    for job in (final, making, passed):
+        job.windows = StandInDecoder().plan(20)
+    assert decodable([final, making, passed]) == [final, passed]
+    final.next_window = passed.next_window = 2  # both done: the one being made is all that is left
+    assert decodable([final, making, passed]) == [final, making, passed]
+
+
+def test_a_request_whose_verify_fails_gets_that_error_instead_of_its_first_tile_and_the_others_decode(
+        scheduler_of):
+    decoder = StandInDecoder(capacity=3)
+    decoder.gate = threading.Event()
+    scheduler = scheduler_of(decoder)
+    log, verified = [], []
+    good = submit(scheduler, 30, 1.0, log)
+    bad_sink, passing = RecordingSink(log, 2.0), RecordingSink(log, 3.0)
+
+    def bad():
+        verified.append(len(decoder.batches))
+        raise RuntimeError("the DiT produced non-finite latents")
+
+    scheduler.submit(Job(clip(30, 2.0), bad_sink, verify=bad))
+    scheduler.submit(Job(clip(30, 3.0), passing, verify=lambda: verified.append("passed")))
+    decoder.gate.set()
+    assert bad_sink.ended.wait(10)
+    assert isinstance(bad_sink.ending, RuntimeError) and "non-finite" in str(bad_sink.ending)
+    assert bad_sink.tiles == [] and verified[0] >= 1, "verified after its first window decoded, before its tile"
+    for sink in (good, passing):
+        assert sink.ended.wait(10) and sink.ending == "complete"
+        torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
+    assert verified.count("passed") == 1, "a verify runs once"
+
+
+class Recorded(StandInDecoder):
+    """Windows of 50 frames (200 ms of audio each); logs each decode beside the sinks' tiles."""
+
+    def __init__(self, log: list):
+        super().__init__(capacity=4)
+        self.log = log
+
+    def plan(self, frames: int):
+        return [(start, min(50, frames - start), start, min(start + 50, frames)) for start in range(0, frames, 50)]
+
+    def decode_rows(self, rows):
+        self.log.append(f"decode {int(rows[0][0, 0, 0])}")
+        return super().decode_rows(rows)
+
+
+def test_with_look_ahead_a_first_tile_leaves_before_its_stream_s_next_window_is_launched(scheduler_of):
+    log = []
+    scheduler = scheduler_of(Recorded(log))
+    scheduler.look_ahead = True  # as on a GPU: the next replay is launched before a tile is sent
+    sink = submit(scheduler, 150, 1.0, log)
+    assert sink.ended.wait(10) and sink.ending == "complete"
+    # The second window's audio is due 200 ms after the first tile: that tile does not wait for
+    # its launch. The third is launched before the second's tile is sent, as look-ahead does.
+    assert log == ["decode 0", 1.0, "decode 50", "decode 100", 1.0, 1.0], log
+    torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
+
+
+def test_an_iteration_is_handed_over_first_only_when_the_next_goes_on_with_its_first_tiles_alone():
+    frame_s = HOP / 1000
+    slack_frames = round(DELIVER_FIRST_SLACK_S / frame_s)
+
+    def taken(first_window_frames: int, window: int = 2) -> Job:
+        job = Job(clip(10 * first_window_frames, 1.0), RecordingSink([], 1.0))
+        size = first_window_frames
+        job.windows = [(s, size, s, s + size) for s in range(0, 10 * size, size)]
+        job.next_window = window
+        return job
+
+    alone, other = taken(slack_frames + 1), taken(slack_frames + 1)
+    assert deliver_first([alone], [alone], frame_s), "a request alone: its second window can wait"
+    assert deliver_first([alone, other], [alone, other], frame_s)
+    assert not deliver_first([], [alone], frame_s), "its first tile has left already"
+    assert not deliver_first([alone], [alone, other], frame_s), "another stream's window goes as soon as it can"
+    assert not deliver_first([alone], [alone, taken(slack_frames + 1, window=1)], frame_s), "a new first window"
+    short = taken(slack_frames - 1)
+    assert not deliver_first([short], [short], frame_s), "its first tile's audio runs out too soon"
+    assert not deliver_first([alone], [], frame_s)
 
 
 def test_a_failed_decode_fails_its_batch_only(scheduler_of):
