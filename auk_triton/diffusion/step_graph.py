@@ -88,6 +88,7 @@ class _GraphedStep:
         self.ctx, self.x, self.mod = ctx, x, mod  # the graph's inputs
         self.table = ctx.modulation
         self._loaded = ctx  # whose tensors the inputs hold
+        self._sources = _static_tensors(ctx)  # the tensor each input was last copied from
 
         def step():
             with autocast():
@@ -96,12 +97,15 @@ class _GraphedStep:
         self.graph, self.out = capture(step, pool=pool, warmups=1, beside_serving=beside_serving)
 
     def load(self, ctx: DiTContext) -> None:
-        """Copy a run's own context tensors into the graph's (same shapes, by the key), unless
-        they hold that context's already."""
+        """Copy a run's own context tensors into the graph's (same shapes, by the key), but for
+        those the graph was last given already: a kept tensor (the sampler's kept masks, never
+        written once made) shared with the run loaded before."""
         if ctx is not self._loaded:
-            for static, own in zip(_static_tensors(self.ctx), _static_tensors(ctx)):
-                static.copy_(own)
-            self._loaded = ctx
+            sources = _static_tensors(ctx)
+            for static, own, last in zip(_static_tensors(self.ctx), sources, self._sources):
+                if own is not last:
+                    static.copy_(own)
+            self._loaded, self._sources = ctx, sources
         self.table = ctx.modulation
 
     def __call__(self, x: torch.Tensor, t) -> torch.Tensor:

@@ -177,3 +177,35 @@ def test_a_graph_captured_for_a_run_copies_the_runs_shared_masks_into_buffers_of
     own = _own_buffers(ctx)
     for mine, shared in zip(_static_tensors(own), _static_tensors(ctx)):
         assert torch.equal(mine, shared) and mine.data_ptr() != shared.data_ptr()
+
+
+def test_a_graph_given_a_run_whose_kept_masks_it_holds_already_copies_only_the_runs_own_tensors(
+        sampler, monkeypatch):
+    from auk_triton.diffusion.step_graph import _GraphedStep, _own_buffers, _static_tensors
+    from auk_triton.diffusion.transformer import EAGER_BLOCKS
+
+    from dit_inputs import stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    request_ = UNGUIDED[1]
+    plan = sampler.plan(request_)
+    sampler._masks.clear()
+    first, x, _ = sampler._batch_context([plan], False)
+    mod = sampler.modulation_table(plan.schedule.grid).values[:1]
+    graph = _GraphedStep(sampler.model, _own_buffers(first), x, mod, sampler._autocast, None, EAGER_BLOCKS)
+    other = sampler.plan(Request(prompt(request_.prompt_embeds.shape[0], 80), request_.gen_seconds, 81,
+                                 num_steps=request_.num_steps, guidance=0.0, ref_latents=request_.ref_latents * 2))
+    second, _, _ = sampler._batch_context([other], False)
+    assert second.rope_audio is first.rope_audio and not torch.equal(second.c, first.c)
+    graph.load(first)
+    marked = graph.ctx.rope_audio[0]  # a kept tensor's buffer, marked to show whether it is copied again
+    marked.fill_(7.0)
+    graph.load(second)
+    assert torch.equal(graph.ctx.c, second.c), "the run's own prompt projection is copied in"
+    assert bool((marked == 7.0).all()), "a kept tensor the graph holds already is not copied again"
+    sampler._masks.clear()
+    third, _, _ = sampler._batch_context([plan], False)  # equal masks, other tensors: each one copied
+    assert third.rope_audio is not first.rope_audio
+    graph.load(third)
+    for static, source in zip(_static_tensors(graph.ctx), _static_tensors(third)):
+        assert torch.equal(static, source)
