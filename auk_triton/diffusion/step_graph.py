@@ -25,7 +25,9 @@ inputs a graph reads are static buffers: the state x, the step's modulation (a r
 per model row: the row of the run's modulation table for its time, or each row's
 own when rows at different times share a step (joined.py), copied in before each
 replay), and every tensor of the context (text and reference embeddings, masks, rotary
-tables), which a run copies in.
+tables), which a run copies in: all of them, but for those the graph loaded last when no
+other graph of its bucket has written their shared buffers since (a lone request's kept
+masks, or a run's own context from one step to the next).
 
 All graphs capture into one private memory pool: they replay one at a time on
 one stream and each output is read before the next replay, so the pool holds
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import torch
@@ -50,8 +52,8 @@ log = logging.getLogger(__name__)
 def _static_tensors(ctx: DiTContext) -> list[torch.Tensor]:
     """Every tensor of a context (None fields and the modulation table skipped), in a fixed order."""
     tensors = []
-    for field in fields(ctx):
-        value = getattr(ctx, field.name)
+    for entry in fields(ctx):
+        value = getattr(ctx, entry.name)
         if isinstance(value, torch.Tensor):
             tensors.append(value)
         elif isinstance(value, tuple):
@@ -64,12 +66,12 @@ def _own_buffers(ctx: DiTContext) -> DiTContext:
     copies its context into, must not be a run's (the sampler shares runs' masks between runs;
     a warm-up's context is made for its graphs alone)."""
     changes = {}
-    for field in fields(ctx):
-        value = getattr(ctx, field.name)
+    for entry in fields(ctx):
+        value = getattr(ctx, entry.name)
         if isinstance(value, torch.Tensor):
-            changes[field.name] = value.clone()
+            changes[entry.name] = value.clone()
         elif isinstance(value, tuple):
-            changes[field.name] = tuple(t.clone() for t in value)
+            changes[entry.name] = tuple(t.clone() for t in value)
     return replace(ctx, **changes)
 
 
@@ -79,16 +81,26 @@ def graph_key(ctx: DiTContext, x_shape) -> tuple:
     return tuple(x_shape), ctx.copies, ctx.c.dtype, present, tuple(tuple(t.shape) for t in _static_tensors(ctx))
 
 
+@dataclass(eq=False)
+class _LoadedInputs:
+    """What a set of context buffers holds. A bucket's graphs read the front of one set, so a
+    load by one of them changes what the others read: each graph checks it was the last."""
+
+    graph: object = None  # the graph that loaded them last
+    ctx: DiTContext | None = None  # the context it loaded
+    sources: list = field(default_factory=list)  # the tensor each buffer was copied from
+
+
 class _GraphedStep:
     """One captured velocity step and the static buffers it reads."""
 
     def __init__(self, model: AuKTransformer, ctx: DiTContext, x: torch.Tensor, mod: torch.Tensor,
-                 autocast, pool, blocks: BlockRunners, beside_serving: bool = False):
+                 autocast, pool, blocks: BlockRunners, beside_serving: bool = False,
+                 inputs: _LoadedInputs | None = None):
         self.model, self.autocast = model, autocast
         self.ctx, self.x, self.mod = ctx, x, mod  # the graph's inputs
         self.table = ctx.modulation
-        self._loaded = ctx  # whose tensors the inputs hold
-        self._sources = _static_tensors(ctx)  # the tensor each input was last copied from
+        self._inputs = _LoadedInputs() if inputs is None else inputs  # shared with the graphs of its bucket
 
         def step():
             with autocast():
@@ -98,14 +110,18 @@ class _GraphedStep:
 
     def load(self, ctx: DiTContext) -> None:
         """Copy a run's own context tensors into the graph's (same shapes, by the key), but for
-        those the graph was last given already: a kept tensor (the sampler's kept masks, never
-        written once made) shared with the run loaded before."""
-        if ctx is not self._loaded:
-            sources = _static_tensors(ctx)
-            for static, own, last in zip(_static_tensors(self.ctx), sources, self._sources):
-                if own is not last:
-                    static.copy_(own)
-            self._loaded, self._sources = ctx, sources
+        those this graph loaded last, if no other graph of its buffers has loaded since: that
+        context's, or a kept tensor (the sampler's kept masks, never written once made)."""
+        held = self._inputs
+        if held.graph is self and held.ctx is ctx:
+            self.table = ctx.modulation
+            return
+        sources = _static_tensors(ctx)
+        last = held.sources if held.graph is self else [None] * len(sources)
+        for static, own, before in zip(_static_tensors(self.ctx), sources, last):
+            if own is not before:
+                static.copy_(own)
+        held.graph, held.ctx, held.sources = self, ctx, sources
         self.table = ctx.modulation
 
     def __call__(self, x: torch.Tensor, t) -> torch.Tensor:
@@ -134,6 +150,7 @@ class DiTGraphCache:
     def __init__(self, model: AuKTransformer, autocast, max_graphs: int, blocks: BlockRunners = EAGER_BLOCKS):
         self.model, self.autocast, self.max_graphs, self.blocks = model, autocast, max_graphs, blocks
         self._buckets: dict[tuple, _GraphedStep] = {}
+        self._bucket_inputs: dict[int, _LoadedInputs] = {}  # by where a bucket's buffers start
         self._graphs: OrderedDict[tuple, _GraphedStep] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()
         # The modulation every graph reads the front of, a row per model row: one step's at a time.
@@ -173,6 +190,7 @@ class DiTGraphCache:
         back to a plain graph."""
         steps = {}
         mod = self._modulation_buffer(x.device, x.shape[0] * ctx.copies)
+        inputs = self._bucket_inputs.setdefault(ctx.c.data_ptr(), _LoadedInputs())
         for requests in range(1, x.shape[0] + 1) if requests is None else requests:
             if stopping():
                 break
@@ -182,7 +200,7 @@ class DiTGraphCache:
                 continue
             try:
                 step = _GraphedStep(self.model, view, x_view, mod[: requests * ctx.copies], self.autocast,
-                                    self._pool, self.blocks, beside_serving)
+                                    self._pool, self.blocks, beside_serving, inputs)
             except Exception as err:
                 if self.blocks is EAGER_BLOCKS:
                     log.warning("CUDA graph capture failed for shape %s: %s: %s", key[:3], type(err).__name__, err)
@@ -191,7 +209,7 @@ class DiTGraphCache:
                 log.warning("compiled step failed for shape %s, a plain graph serves it: %s: %s",
                             key[:3], type(err).__name__, err)
                 step = _GraphedStep(self.model, view, x_view, mod[: requests * ctx.copies], self.autocast,
-                                    self._pool, EAGER_BLOCKS, beside_serving)
+                                    self._pool, EAGER_BLOCKS, beside_serving, inputs)
             steps[key] = step
         return steps
 
@@ -233,3 +251,4 @@ class DiTGraphCache:
     def clear(self) -> None:
         self._graphs.clear()
         self._buckets.clear()
+        self._bucket_inputs.clear()

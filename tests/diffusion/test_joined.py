@@ -191,3 +191,28 @@ def test_bucketed_rows_replay_their_buckets_graphs_each_row_at_its_own_time(chec
         assert max_error(results[tag], sampler.generate(request)) < TOLERANCE, tag
     graphs = bucketed.graphs
     assert (graphs.captures, graphs.request_captures, graphs.eager_runs) == (captures, 0, 0)
+
+
+def test_a_graph_loads_its_run_again_after_another_graph_of_its_bucket_has_written_their_shared_buffers(
+        checkpoint, monkeypatch):
+    # Two runs that take turns on one bucket's graphs of one and of two requests (a run whose
+    # own bucket is still being built takes a larger one): the smaller graph reads the front of
+    # the larger one's buffers, so it must copy its run's context in again, kept tensors too.
+    from auk_triton.diffusion.step_graph import _static_tensors
+
+    stand_in_graphs(monkeypatch)
+    buckets = ShapeBuckets(text=(8,), frames=(16,), ref=(), max_tokens=3 * 2 * 48, max_requests=2)
+    bucketed = load_sampler(checkpoint, buckets=buckets)
+    bucketed.graphs = DiTGraphCache(bucketed.model, bucketed._autocast, max_graphs=0)
+    bucketed.warmup()
+    alone = [bucketed.plan(Request(prompt(5, 90), 0.2, 90, num_steps=2, guidance=0.0))]
+    pair = [bucketed.plan(Request(prompt(6, 91 + i), 0.25, 91 + i, num_steps=2, guidance=0.0)) for i in range(2)]
+    with torch.inference_mode():  # as the runs: the graphs' buffers are inference tensors
+        (one, x_one, _), (two, x_two, _) = (bucketed._batch_context(plans, False) for plans in (alone, pair))
+        graph_one = bucketed.graphs.velocity(one, x_one.shape)
+        graph_two = bucketed.graphs.velocity(two, x_two.shape)
+        assert graph_one is not graph_two and graph_one.ctx.c.data_ptr() == graph_two.ctx.c.data_ptr()
+        assert not torch.equal(graph_one.ctx.c, one.c), "the pair's run overwrote the front of the buffers"
+        graph_one.load(one)
+    for static, source in zip(_static_tensors(graph_one.ctx), _static_tensors(one)):
+        assert torch.equal(static, source)
