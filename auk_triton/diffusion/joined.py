@@ -147,7 +147,8 @@ class JoinedRuns:
 
     def __init__(self, sampler: AuKDiTSampler, max_requests: int, keep_on_device: bool = False):
         self.sampler, self.max_requests = sampler, max(1, max_requests)
-        self.keep_on_device = keep_on_device and torch.device(sampler.device).type == "cuda"
+        self._on_gpu = torch.device(sampler.device).type == "cuda"
+        self.keep_on_device = keep_on_device and self._on_gpu
         self._runs: OrderedDict[Hashable, _Run] = OrderedDict()
         self._alone = 0  # keys of requests past the largest bucket: each runs alone
         self._leaving: list[tuple[object, torch.Tensor, torch.cuda.Event | None]] = []  # copies under way
@@ -253,7 +254,7 @@ class JoinedRuns:
     def _pace(self) -> None:
         """Mark the end of the step just queued, and wait until at most STEPS_QUEUED_AHEAD steps, it
         included, are left to run: the requests that arrive meanwhile join the next one."""
-        if torch.device(self.sampler.device).type != "cuda":
+        if not self._on_gpu:
             return
         self._queued.append(torch.cuda.Event())
         self._queued[-1].record()

@@ -87,7 +87,6 @@ class _LoadedInputs:
     load by one of them changes what the others read: each graph checks it was the last."""
 
     graph: object = None  # the graph that loaded them last
-    ctx: DiTContext | None = None  # the context it loaded
     sources: list = field(default_factory=list)  # the tensor each buffer was copied from
 
 
@@ -113,15 +112,12 @@ class _GraphedStep:
         those this graph loaded last, if no other graph of its buffers has loaded since: that
         context's, or a kept tensor (the sampler's kept masks, never written once made)."""
         held = self._inputs
-        if held.graph is self and held.ctx is ctx:
-            self.table = ctx.modulation
-            return
         sources = _static_tensors(ctx)
         last = held.sources if held.graph is self else [None] * len(sources)
         for static, own, before in zip(_static_tensors(self.ctx), sources, last):
             if own is not before:
                 static.copy_(own)
-        held.graph, held.ctx, held.sources = self, ctx, sources
+        held.graph, held.sources = self, sources
         self.table = ctx.modulation
 
     def __call__(self, x: torch.Tensor, t) -> torch.Tensor:
