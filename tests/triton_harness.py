@@ -458,6 +458,36 @@ def open_stream(triton):
             pass
 
 
+def unregister_shared_memory(client, names, timeout_s: float = 10.0) -> None:
+    """Unregister the system shared memory regions `names`, with either tritonclient, and check
+    the server lists none of them after. Triton may release an answered request a moment after
+    its response arrives, and refuses to unregister a region such a request still holds ("it is
+    currently in use"), so a refused region is asked again until `timeout_s`: one still held
+    then is leaked."""
+    from tritonclient.utils import InferenceServerException
+
+    pending, deadline = list(names), time.monotonic() + timeout_s
+    while pending:
+        for name in list(pending):
+            try:
+                client.unregister_system_shared_memory(name)
+                pending.remove(name)
+            except InferenceServerException as error:
+                if "in use" not in str(error) or time.monotonic() > deadline:
+                    raise
+        time.sleep(0.05 if pending else 0)
+    assert not set(names) & registered_shared_memory(client)
+
+
+def registered_shared_memory(client) -> set[str]:
+    """The names of the system shared memory regions the server lists, with either tritonclient."""
+    import tritonclient.grpc as grpcclient
+
+    if isinstance(client, grpcclient.InferenceServerClient):
+        return set(client.get_system_shared_memory_status(as_json=True).get("regions", {}))
+    return {region["name"] for region in client.get_system_shared_memory_status()}
+
+
 @pytest.fixture
 def http_client(triton):
     import tritonclient.http as httpclient

@@ -13,7 +13,7 @@ import socket
 import numpy as np
 import pytest
 
-from triton_harness import FRONT_MAX_FRAMES, DecodeStream, decode_once, library_tiles
+from triton_harness import FRONT_MAX_FRAMES, DecodeStream, decode_once, library_tiles, unregister_shared_memory
 
 h2_connection = pytest.importorskip("h2.connection")
 h2_config = pytest.importorskip("h2.config")
@@ -318,7 +318,7 @@ def test_tritonclients_calls_pass_through_the_front_door_over_grpc_and_http(fron
         np.testing.assert_array_equal(np.ndarray(expected.shape, np.int16, buffer=regions["out"].buf), expected)
     finally:
         try:
-            client.unregister_system_shared_memory()
+            unregister_shared_memory(client, [f"{tag}_{key}" for key in regions])
         finally:
             client.close()
             for region in regions.values():

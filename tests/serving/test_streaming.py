@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from auk_triton.codec.decode_graph import DEFAULT_COMPILE_SHAPES, plan_tiles
-from triton_harness import documented_pcm16, library_tiles
+from triton_harness import documented_pcm16, library_tiles, unregister_shared_memory
 
 HOP = 480
 STREAM_MODEL = "auk_vae_decode"
@@ -385,8 +385,7 @@ def test_a_same_host_client_gets_the_waveform_through_system_shared_memory(trito
         assert triton.is_ready()
     finally:
         try:
-            for key in regions:
-                client.unregister_system_shared_memory(f"{tag}_{key}")
+            unregister_shared_memory(client, [f"{tag}_{key}" for key in regions])
         finally:
             client.close()
             for region in regions.values():
