@@ -40,6 +40,14 @@ def make_latents(seed: int, frames: int = 600) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((frames, 64)).astype(np.float32)
 
 
+def wait_until_queued(server, count: int, timeout_s: float = 10) -> None:
+    """Until the streaming model's gauge shows `count` requests waiting in its scheduler's queue."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("auk_vae_queued_requests", model=MODEL) != count:
+        assert time.monotonic() < deadline, f"the gauge never showed {count} requests waiting in the queue"
+        time.sleep(0.05)
+
+
 def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_at_once(one_active_one_queued):
     server = one_active_one_queued
     streams = []
@@ -54,6 +62,8 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
             streams[-1].send(make_latents(index, frames[index]), request_id=str(index))
             if index == 0:
                 assert streams[0].next_event(timeout=60)[1].events == ["tile"]  # in the scheduler
+            if index == 1:  # queued before the third is sent: each stream is a connection of its own
+                wait_until_queued(server, 1)
         with pytest.raises(queue.Empty):
             streams[1].next_event(timeout=0.5)  # waiting: nothing to say yet
         refused = streams[2].next_event(timeout=5)[1]
@@ -131,10 +141,7 @@ def test_the_offline_model_passes_the_streaming_model_s_refusal_on_with_unavaila
             stream.send(make_latents(20 + index, frames=1800), request_id=str(index))
             if index == 0:
                 assert stream.next_event(timeout=60)[1].events == ["tile"]
-        deadline = time.monotonic() + 10
-        while server.metric("auk_vae_queued_requests", model=MODEL) != 1:
-            assert time.monotonic() < deadline, "the second stream never waited in the scheduler's queue"
-            time.sleep(0.05)
+        wait_until_queued(server, 1)
         with pytest.raises(InferenceServerException, match=re.escape(MODEL_FULL)) as refused:
             client.infer(OFFLINE_MODEL, offline_inputs(grpcclient, make_latents(22, frames=20)))
         assert refused.value.status() == "StatusCode.UNAVAILABLE"
