@@ -436,8 +436,9 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
             except Exception as err:  # the sampling thread's answer must not raise
                 events.put(("error", request_id, f"{type(err).__name__}: {err}"))
 
-        # In one process the latents stay on the GPU, as auk_pipeline keeps them.
-        runs = JoinedRuns(sampler, DiTSettings().max_batch_requests, keep_on_device=layout != "two processes")
+        # In one process a lone request's latents stay on the GPU, as auk_pipeline keeps them.
+        kept = None if layout == "two processes" else (lambda scheduler=decoding.scheduler: scheduler.idle)
+        runs = JoinedRuns(sampler, DiTSettings().max_batch_requests, keep_on_device=kept)
         sampling = SamplingThread(RunsOnStream(runs, dit_stream, events), answer)
         plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
         load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)

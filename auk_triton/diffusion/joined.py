@@ -23,11 +23,14 @@ Queuing a step itself never waits for the GPU. Each request's prompt, reference 
 sizes go to the device once, when it is submitted, from pinned memory; a row that
 leaves has its latents copied to pinned host memory behind its last step, and is
 handed back by the next `step()`, which waits for that copy alone once its own step
-is queued: the GPU computes the next step while the caller answers the row. With
-`keep_on_device` (a stage in the same process reads them there), a row leaves
-with its latents on the GPU instead, handed back by the very `step()` that queues
-its last step (`DeviceLatents`): that stage can queue its own work behind the step
-before the step has run.
+is queued: the GPU computes the next step while the caller answers the row.
+
+A lone request may leave on the GPU instead. With `keep_on_device` (a stage in the
+same process reads the latents there, and says when it may take them so), a row that
+leaves with no other request held is handed back by the very `step()` that queues its
+last step, its latents on the GPU (`DeviceLatents`): that stage can queue its own work
+behind the step before the step has run. Only then: under load, rows handed over before
+their step has run held back the decoder's batching (benchmarks/studies/pipeline-first-audio.md).
 
 Nor does the thread run ahead of the GPU: once it has queued a step, it waits until
 the one before has run (STEPS_QUEUED_AHEAD). Queued further ahead, steps would take
@@ -145,10 +148,12 @@ class JoinedRuns:
 
     Not thread-safe: one thread submits and steps (a server's sampling thread)."""
 
-    def __init__(self, sampler: AuKDiTSampler, max_requests: int, keep_on_device: bool = False):
+    def __init__(self, sampler: AuKDiTSampler, max_requests: int,
+                 keep_on_device: Callable[[], bool] | None = None):
         self.sampler, self.max_requests = sampler, max(1, max_requests)
         self._on_gpu = torch.device(sampler.device).type == "cuda"
-        self.keep_on_device = keep_on_device and self._on_gpu
+        # Asked as a lone request leaves: whether its latents may stay on the GPU (None: never).
+        self.keep_on_device = keep_on_device if self._on_gpu else None
         self._runs: OrderedDict[Hashable, _Run] = OrderedDict()
         self._alone = 0  # keys of requests past the largest bucket: each runs alone
         self._leaving: list[tuple[object, torch.Tensor, torch.cuda.Event | None]] = []  # copies under way
@@ -182,15 +187,16 @@ class JoinedRuns:
         that has left: its latents [frames, C] fp32 on the host, or the exception that ended it
         (SamplingStopped, NonFiniteLatents, or the run's own error, which ends all its rows).
         Rows that finish with this step come back from the next call, or from this one when no
-        run is left to step; with `keep_on_device`, from this one, as DeviceLatents."""
+        run is left to step; a lone request kept on the device, from this one, as DeviceLatents."""
         leaving, self._leaving = self._leaving, []
         done: list[tuple[object, torch.Tensor | Exception]] = []
         if self._runs:
             key, run = next(iter(self._runs.items()))
             self._runs.move_to_end(key)
+            alone = not leaving and len(self._runs) == 1 and len(run.rows) + len(run.waiting) == 1
             try:
                 with torch.inference_mode():  # as generate_batch: the graphs' buffers are inference tensors
-                    self._step(run, done)
+                    self._step(run, done, alone)
             except Exception as err:  # the step itself failed (out of memory): every row of the run
                 done += [(row.tag, err) for row in run.rows]
                 run.rows.clear()
@@ -212,7 +218,8 @@ class JoinedRuns:
 
     # ------------------------------------------------------------------ one step
 
-    def _step(self, run: _Run, done: list) -> None:
+    def _step(self, run: _Run, done: list, alone: bool) -> None:
+        """`alone`: the run's one row is the only request held."""
         sampler = self.sampler
         sampler.take_built_graphs()
         for row in list(run.rows):
@@ -245,7 +252,7 @@ class JoinedRuns:
             row.step += 1
             if row.step == row.steps:
                 latents = batch.x[i, : row.plan.frames]
-                if self.keep_on_device:
+                if alone and self.keep_on_device is not None and self.keep_on_device():
                     done.append((row.tag, DeviceLatents.behind(latents)))
                 else:
                     self._leaving.append((row.tag, *to_host(latents)))

@@ -120,10 +120,11 @@ class TritonPythonModel:
         alone in its process has the GPU's queue to itself (the pipeline's DiT does not)."""
         return None
 
-    def _keeps_latents(self) -> bool:
-        """Whether a request's latents stay on the GPU when it leaves its run (JoinedRuns'
-        `keep_on_device`): for a stage in this process. Alone, this model answers with them."""
-        return False
+    def _keeps_latents(self):
+        """When a lone request's latents may stay on the GPU as it leaves its run (JoinedRuns'
+        `keep_on_device`), for a stage in this process; None: never. Alone, this model answers
+        with them."""
+        return None
 
     def _admission(self):
         """What a request waits for before it joins the runs (SamplingThread's `admit`); None:

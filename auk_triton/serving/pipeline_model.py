@@ -9,10 +9,10 @@ from this model's config parameters (each stage reads its own names; a name both
 `checkpoint` or `max_frames`, means the same to both): the DiT's sampling thread, where a
 request joins its bucket's run between Euler steps (diffusion/joined.py), and the decoder's
 tile scheduler (scheduler.py). A request's latents go from the one to the other inside this
-process: no response, no hop through Triton. On a GPU they stay there, handed over as the DiT
-queues its last step: the decoder queues the first window behind that step (its stream waits
-for the step's event) while the step runs, if it has nothing else to decode, and checks them
-for NaN before the first tile leaves. On a CPU they go through the host, checked there.
+process: no response, no hop through Triton. They go through the host, checked there for NaN,
+except a lone request's on a GPU while the decoder has nothing else: those stay on the GPU,
+handed over as the DiT queues its last step, and the decoder queues the first window behind
+that step (its stream waits for the step's event), checking them before the first tile leaves.
 
 On a GPU the two stages share one CUDA context, where in two processes their work would take
 turns in time slices. The decoder queues on a stream of the device's highest priority, its
@@ -68,8 +68,11 @@ class _DiT(DiTModel):
     def __init__(self, decoder: _Decoder):
         self.decoder = decoder
 
-    def _keeps_latents(self) -> bool:
-        return True
+    def _keeps_latents(self):
+        """A lone request's latents stay on the GPU while the decoder has no other stream: under
+        load, handed over before their last step had run, they held back its batching."""
+        scheduler = self.decoder.scheduler
+        return lambda: scheduler.idle
 
     def _sampling_stream(self):
         """The device's lowest priority: CUDA's default, the one the DiT's graphs are captured at."""

@@ -296,6 +296,11 @@ class TileScheduler:
     def queued(self) -> int:
         return len(self._queued)
 
+    @property
+    def idle(self) -> bool:
+        """No request in the scheduler, decoding or queued (read without the lock: a moment's view)."""
+        return not self._jobs and not self._queued
+
     def close(self, drain_s: float = 2.0) -> None:
         """Let the jobs in the scheduler finish for up to `drain_s`, end the rest with
         ServerStopping, then end the thread: well inside Triton's exit timeout.

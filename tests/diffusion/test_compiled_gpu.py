@@ -111,7 +111,7 @@ def test_latents_kept_on_the_gpu_leave_with_the_step_that_makes_them_and_equal_t
 
     request = _request(7, 0.6, 7, guidance=2.0)
     plans = {"host": served.plan(request), "device": served.plan(request)}
-    host, kept = JoinedRuns(served, 16), JoinedRuns(served, 16, keep_on_device=True)
+    host, kept = JoinedRuns(served, 16), JoinedRuns(served, 16, keep_on_device=lambda: True)
     results = {}
     host.submit(plans["host"], "host")
     while len(host):

@@ -154,11 +154,43 @@ def test_a_finished_row_comes_back_from_the_next_step_once_queued_or_at_once_whe
 
 def test_latents_kept_on_the_device_come_back_through_the_host_on_a_cpu(sampler):
     request = Request(prompt(4, 62), 0.1, 62, num_steps=2, guidance=0.0)
-    runs = JoinedRuns(sampler, 8, keep_on_device=True)
-    assert not runs.keep_on_device, "nothing to keep them on"
+    runs = JoinedRuns(sampler, 8, keep_on_device=lambda: True)
+    assert runs.keep_on_device is None, "nothing to keep them on"
     results = _run(runs, {0: [("one", request)]}, sampler)
     assert isinstance(results["one"], torch.Tensor)
     assert max_error(results["one"], sampler.generate(request)) < TOLERANCE
+
+
+def test_only_a_lone_request_leaves_on_the_device_and_only_when_its_reader_agrees(sampler, monkeypatch):
+    # The policy alone, on a CPU: DeviceLatents stood in for by a marker of what it was given.
+    import auk_triton.diffusion.joined as joined
+
+    monkeypatch.setattr(joined.DeviceLatents, "behind", staticmethod(lambda latents: ("kept", latents.clone())))
+    short = Request(prompt(4, 40), 0.1, 40, num_steps=2, guidance=0.0)
+    long = Request(prompt(5, 40), 0.1, 40, num_steps=4, guidance=0.0)
+
+    def served(arrivals, reader_agrees=True):
+        runs = JoinedRuns(sampler, 8)
+        asked = []
+        runs.keep_on_device = lambda: asked.append(True) or reader_agrees
+        return _run(runs, arrivals, sampler), asked
+
+    results, asked = served({0: [("one", short)]})
+    assert results["one"][0] == "kept" and len(asked) == 1, "alone, and the reader agrees"
+    assert max_error(results["one"][1], sampler.generate(short)) < TOLERANCE
+
+    results, asked = served({0: [("one", short)]}, reader_agrees=False)
+    assert isinstance(results["one"], torch.Tensor) and len(asked) == 1, "the reader is busy: through the host"
+
+    results, asked = served({0: [("short", short), ("long", long)]})
+    assert isinstance(results["short"], torch.Tensor), "another request is being sampled"
+    assert results["long"][0] == "kept" and len(asked) == 1, "alone by its last step, the other answered before"
+    assert max_error(results["long"][1], sampler.generate(long)) < TOLERANCE
+
+    results, asked = served({0: [("first", short)], 1: [("late", short)]})
+    assert isinstance(results["first"], torch.Tensor), "another request waits to join"
+    assert isinstance(results["late"], torch.Tensor), "the first's latents were still on their way"
+    assert not asked
 
 
 def test_drain_gives_back_every_request_held(sampler):

@@ -463,11 +463,12 @@ def test_past_the_active_limit_a_request_queues_until_a_place_frees_and_past_the
     decoder = StandInDecoder(capacity=1)
     decoder.gate = threading.Event()
     scheduler = scheduler_of(decoder, max_active=2, max_queued=1)
+    assert scheduler.idle
     log = []
     first = submit(scheduler, 20, 1.0, log)
     submit(scheduler, 20, 2.0, log)
     queued = submit(scheduler, 20, 3.0, log)  # returns at once: Triton's execute never waits
-    assert (scheduler.active, scheduler.queued) == (2, 1)
+    assert (scheduler.active, scheduler.queued) == (2, 1) and not scheduler.idle
     with pytest.raises(ServerBusy, match=r"at its limit \(2 requests decoding, 1 waiting\)"):
         submit(scheduler, 20, 4.0, log)
     assert not queued.ended.is_set() and 3.0 not in log, "the queued one decoded before a place freed"
