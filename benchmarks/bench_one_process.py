@@ -12,8 +12,9 @@ when each tile is handed over.
   as an ensemble passes them from one model to the other (`auk_pipeline` did, before it became
   one model);
 - `one process`: the sampling thread and the scheduler's thread in this process, each
-  queuing on a stream of its own, of the same priority; the latents stay on the GPU, handed
-  over as their last step is queued (as `auk_pipeline` does);
+  queuing on a stream of its own, of the same priority; a lone request's latents stay on the
+  GPU, handed over as their last step is queued (as `auk_pipeline` does), the others' go
+  through the host;
 - `one process, decode first`: the same, the scheduler's stream at the device's highest
   priority and the sampler's at its lowest, so the decoder's kernels go first whenever both
   wait for the GPU.
@@ -21,8 +22,8 @@ when each tile is handed over.
 Per layout: one client's first audio (requests 100 ms apart), and where it goes: from a
 request's arrival, the median time at which each call of the sampling thread's step
 returned (the first has built the run's context and queued its first step), its latents
-handed to the decoder (in two processes once on the host; in one, as their last step is
-queued), its first and last tiles; the capacity, `--clients` closed-loop clients for
+handed to the decoder (in two processes once on the host; in one, a lone request's as their
+last step is queued), its first and last tiles; the capacity, `--clients` closed-loop clients for
 `--closed-seconds`; then Poisson arrivals at `--load` of that capacity for `--duration` s.
 First audio runs from a request's arrival to its first tile on the host: no client,
 transport or front door. "Late tiles" are the tiles the scheduler handed over after the
