@@ -55,6 +55,9 @@ class Load:
 
         with torch.cuda.stream(stream):
             self.graph, _ = capture(products, warmups=1, priority=stream.priority)
+        # A graph holds no reference to the tensors it reads: kept here, or the next capture's
+        # emptying of the allocator's cache hands their memory back while replays still read it.
+        self._operands = (a, x)
         self.flops = 2 * size**3 * count
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
