@@ -897,10 +897,12 @@ def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> t
     values = scheduler_values(args)
     buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
     repository = None
-    if buckets is not None or values:
+    if buckets is not None or values or args.decode_yields_to_dit:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
         repository = model_repository_copy(folder / "model_repository", buckets)
         set_model_parameters(repository / MODEL, values)
+        if args.decode_yields_to_dit:
+            set_model_parameters(repository / PIPELINE_MODEL, {"decode_yields_to_dit": "true"})
     models = PIPELINE_MODELS if args.model == "pipeline" else (MODEL,)
     options = dict(ready_timeout_s=args.ready_timeout, device="gpu" if args.device == "cuda" else "cpu",
                    model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
@@ -1151,6 +1153,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipe", choices=("flash", "base"), default=None,
                         help="pipeline: the DiT's checkpoint and recipe (default flash: 4 steps; base: 32 guided)")
     parser.add_argument("--tokens", type=int, default=64, help="pipeline: prompt tokens (seeded stand-in embeddings)")
+    parser.add_argument("--decode-yields-to-dit", action="store_true",
+                        help=f"pipeline: serve {PIPELINE_MODEL} with its decode_yields_to_dit parameter on")
     parser.add_argument("--front-door", action="store_true",
                         help="start the server as users do (the launcher: the front door before tritonserver) and "
                              "send the load to the front door's gRPC port")
@@ -1240,8 +1244,8 @@ def parse_args() -> argparse.Namespace:
         if args.tokens < 1 or args.one_client_requests < 1 or args.capacity_clients < 0:
             parser.error("--tokens and --one-client-requests must be at least 1, --capacity-clients at least 0")
     else:
-        if args.recipe is not None:
-            parser.error("--recipe is the pipeline's (--model pipeline)")
+        if args.recipe is not None or args.decode_yields_to_dit:
+            parser.error("--recipe and --decode-yields-to-dit are the pipeline's (--model pipeline)")
         args.format = args.format or "pcm16"
     if args.capacity is None:
         args.capacity = args.device == "cuda" and torch.cuda.is_available()
@@ -1265,9 +1269,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--front-door starts a server here; --url drives one already running")
     if args.url and args.trace:
         parser.error("--trace configures a server started here, not --url's")
-    if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
-        parser.error("--buckets, --batch-sizes, --batch-frames and --max-active configure a server started here, "
-                     "not --url's")
+    if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)
+                     or args.decode_yields_to_dit):
+        parser.error("--buckets, --batch-sizes, --batch-frames, --max-active and --decode-yields-to-dit configure a "
+                     "server started here, not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
     if args.connection_per_stream is None:
@@ -1342,7 +1347,8 @@ def main() -> None:
     if args.device == "cuda":
         use_compile_cache(cache)  # the server inherits it: its buckets find what this process compiled
     pipeline = args.model == "pipeline"
-    what = f"the pipeline ({args.recipe}, {args.tokens} prompt tokens)" if pipeline else "AuK"
+    yielding = ", the decoder yielding to the DiT" if args.decode_yields_to_dit else ""
+    what = f"the pipeline ({args.recipe}, {args.tokens} prompt tokens{yielding})" if pipeline else "AuK"
     door = ", through the front door" if args.front_door else ""
     say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))
     say(f"command: {command_line()}")

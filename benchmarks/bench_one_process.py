@@ -17,7 +17,10 @@ when each tile is handed over.
   through the host;
 - `one process, decode first`: the same, the scheduler's stream at the device's highest
   priority and the sampler's at its lowest, so the decoder's kernels go first whenever both
-  wait for the GPU.
+  wait for the GPU (`auk_pipeline` as served);
+- `one process, decode first, later windows yield`: the same, and while the sampling thread
+  holds requests a stream's later windows wait for it, until their audio would run out within
+  the scheduler's slack (`auk_pipeline` with `decode_yields_to_dit`).
 
 Per layout: one client's first audio (requests 100 ms apart), and where it goes: from a
 request's arrival, the median time at which each call of the sampling thread's step
@@ -65,7 +68,7 @@ from auk_triton.serving.sampling_thread import SamplingThread
 from auk_triton.serving.scheduler import Job, TileScheduler
 from common import heading, percentile, sampler_config, say, served_graph, synthetic_checkpoint
 
-LAYOUTS = ("two processes", "one process", "one process, decode first")
+LAYOUTS = ("two processes", "one process", "one process, decode first", "one process, decode first, later windows yield")
 ONE_CLIENT_GAP_S = 0.1
 HIGHEST_PRIORITY = -100  # CUDA: a lower number is a higher priority
 CAPACITY_SETTLE_S = 2.0  # the closed loop's first seconds, not counted
@@ -424,7 +427,7 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
             child.wait_ready()
             decoding, dit_stream = child, None
         else:
-            first = layout.endswith("decode first")
+            first = "decode first" in layout
             decoding = Decoding(graph, device, events, stream_of(device, first), build=not built)
             dit_stream, built = stream_of(device, False), True
 
@@ -441,6 +444,8 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
         kept = None if layout == "two processes" else (lambda scheduler=decoding.scheduler: scheduler.idle)
         runs = JoinedRuns(sampler, DiTSettings().max_batch_requests, keep_on_device=kept)
         sampling = SamplingThread(RunsOnStream(runs, dit_stream, events), answer)
+        if layout.endswith("later windows yield"):
+            decoding.scheduler.yield_to = lambda sampling=sampling: sampling.busy
         plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
         load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)
         say(f"{layout}:")

@@ -354,6 +354,23 @@ class DiTSettings:
 
 
 @dataclass(frozen=True)
+class PipelineSettings:
+    """`auk_pipeline`'s own config parameters, besides the DiT's and the decoder's that it reads."""
+
+    # While the DiT holds requests, each stream's later windows wait for it a little
+    # (scheduler.yields): a new request's steps then do not queue behind other clips' decoding
+    # (first windows never wait). Off by default: modelled
+    # (benchmarks/studies/pipeline-open-loop-tail.md), not yet measured on a GPU.
+    decode_yields_to_dit: bool = False
+
+    @classmethod
+    def from_model_config(cls, model_config: Mapping) -> "PipelineSettings":
+        params = config_parameters(model_config)
+        default = cls()
+        return cls(decode_yields_to_dit=bool_parameter(params, "decode_yields_to_dit", default.decode_yields_to_dit))
+
+
+@dataclass(frozen=True)
 class EncodeSettings:
     """`auk_vae_encode`'s config parameters; the field defaults are the documented defaults."""
 

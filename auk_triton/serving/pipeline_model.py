@@ -23,6 +23,11 @@ waits before its first audio rather than between its tiles (measured before the 
 graphs kept its priority: benchmarks/studies/dit-joined-steps.md). The graph builders after
 READY take turns (cuda_graph.GraphBuilder).
 
+With `decode_yields_to_dit`, the decoder's later windows wait a little while the DiT holds
+requests (scheduler.yields): a new request's steps then run without other clips' decoding
+ahead of them on the GPU, first windows still going first
+(benchmarks/studies/pipeline-open-loop-tail.md).
+
 A request that breaks the DiT's limits gets its error before sampling, for that request
 alone; a client that goes away stops its request at the DiT's next step or at the decoder's
 next window.
@@ -39,12 +44,13 @@ from auk_triton.cuda_graph import priority_stream
 from auk_triton.diffusion import NonFiniteLatents, SamplingStopped
 from auk_triton.diffusion.joined import DeviceLatents
 
+from .config import PipelineSettings
 from .decode_model import StreamSink, require_decoupled
 from .decode_model import TritonPythonModel as DecodeModel
 from .dit_model import TritonPythonModel as DiTModel
 from .requests import dit_plan, throttled_check
 from .scheduler import Job
-from .triton_common import wants_pcm16
+from .triton_common import log, wants_pcm16
 from .triton_io import input_array
 
 
@@ -82,10 +88,11 @@ class _DiT(DiTModel):
         """A request joins the DiT's runs only while the requests being sampled and the decoder's
         streams with windows left number fewer than a full run and a full decoder replay hold.
         At saturation the wait then comes before a request's first audio, not between its tiles:
-        a stream that has begun keeps ahead of its playback."""
+        a stream that has begun keeps ahead of its playback. A stream whose next window waits for
+        the DiT (`decode_yields_to_dit`) is ahead of it already, and does not count."""
         limit = self.settings.max_batch_requests + max(self.decoder.settings.batch_sizes)
         scheduler = self.decoder.scheduler
-        return lambda: len(self.joined) + scheduler.active + scheduler.queued < limit
+        return lambda: len(self.joined) + scheduler.active - scheduler.yielding + scheduler.queued < limit
 
     def _answer(self, tag, result) -> None:
         """Called on the sampling thread (it must not raise): hand a request's latents to the
@@ -122,6 +129,10 @@ class TritonPythonModel:
             raise RuntimeError(f"{self.name} samples each request on its sampling thread: "
                                "its config must leave join_between_steps on")
         self.settings = self.dit.settings
+        if PipelineSettings.from_model_config(json.loads(args["model_config"])).decode_yields_to_dit:
+            sampling = self.dit.sampling
+            self.decoder.scheduler.yield_to = lambda: sampling.busy
+            log("info", f"{self.name}: the decoder's later windows wait while the DiT holds requests")
 
     def execute(self, requests):
         """Check each request and hand it to the DiT's sampling thread; return at once. The

@@ -40,6 +40,7 @@ class SamplingThread:
         self._runs, self._answer, self._after_step, self._stream = runs, answer, after_step, stream
         self._admit = admit
         self._held: deque = deque()  # taken from the inbox, waiting for `admit`
+        self._holding = False  # whether `runs` holds a request, as of this thread's last look
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -49,12 +50,19 @@ class SamplingThread:
         """Queue a checked plan; it joins its run before that run's next step."""
         self._inbox.put((plan, tag, should_stop))
 
+    @property
+    def busy(self) -> bool:
+        """Whether the runs hold a request, or one is on its way in; not one that `admit` holds
+        back (read from any thread: a moment's view)."""
+        return self._holding or not self._inbox.empty()
+
     def stop(self, timeout_s: float = 30.0) -> list:
         """Stop after the step in progress; the tags of the requests never answered."""
         self._stopping.set()
         self._thread.join(timeout_s)
         held = [*self._held, *self._take_inbox()]
         self._held.clear()
+        self._holding = False  # what it held is handed back: the GPU has nothing more from it
         return [tag for _, tag, _ in held] + self._runs.drain()
 
     def _take_inbox(self, wait_s: float = 0.0) -> list:
@@ -74,13 +82,16 @@ class SamplingThread:
             wait_s = 0.0 if len(self._runs) else ADMIT_POLL_S if self._held else IDLE_WAIT_S
             self._held.extend(self._take_inbox(wait_s))
             while self._held and (self._admit is None or self._admit()):
+                self._holding = True
                 plan, tag, should_stop = self._held.popleft()
                 try:
                     self._runs.submit(plan, tag, should_stop)
                 except Exception as err:  # its grid's modulation table could not be computed
                     self._answer(tag, err)
-            if not len(self._runs):
+            self._holding = bool(len(self._runs))
+            if not self._holding:
                 continue
             for tag, result in self._runs.step():
                 self._answer(tag, result)
-            self._after_step(not len(self._runs))
+            self._holding = bool(len(self._runs))
+            self._after_step(not self._holding)

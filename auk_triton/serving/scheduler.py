@@ -15,7 +15,12 @@ same order, up to that key's batch capacity:
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
-windows (and count an underrun when a tile leaves after its deadline).
+windows (and count an underrun when a tile leaves after its deadline). Unless
+another stage shares the GPU and asks it to yield (`yield_to`, `auk_pipeline`'s
+DiT while it holds requests): then a stream's later windows wait while that stage
+has work, so that its work for new requests does not queue behind clips already
+playing; each for at most YIELD_WAIT_S after its stream's last tile, and not once
+its audio would run out within YIELD_SLACK_S. First windows never wait.
 
 On a GPU the next iteration's decode is launched before the tiles of this one
 are handed over (their samples are copied to pinned host memory first, in
@@ -81,6 +86,15 @@ CANCELLED_SWEEP_SHARE = 0.1
 # with the streams whose first tile it holds, and their audio is due this much later or more
 # (`deliver_first`): a replay or two; the next one waits for the sends.
 DELIVER_FIRST_SLACK_S = 0.1
+# While `yield_to` says another stage has work for the GPU, a later window waits: for at most
+# YIELD_WAIT_S after its stream's last tile was handed over (a long clip does not stay in the
+# scheduler through its playback), and only while its stream's audio lasts longer than
+# YIELD_SLACK_S (what is left covers the replays queued ahead of it). A 10 s clip's rest, after
+# a first tile of 0.64 s, waits at most 0.2 s either way.
+YIELD_WAIT_S = 0.2
+YIELD_SLACK_S = 0.44
+# How often a scheduler whose every window left is waiting asks `yield_to` again.
+YIELD_POLL_S = 0.002
 
 
 class StreamSink(Protocol):
@@ -125,6 +139,7 @@ class Job:
     arrived: float = 0.0
     next_window: int = 0
     first_sent: float | None = None  # when its first tile was handed over
+    last_sent: float | None = None  # when its latest tile was
     sent_seconds: float = 0.0  # audio handed over so far
     finished: bool = False
     stop_asked: bool = False  # cancelled through `TileScheduler.cancel`: ended at the next iteration
@@ -161,6 +176,15 @@ def decodable(jobs: Sequence[Job]) -> list[Job]:
     if any(job.next_window < len(job.windows) for job in final):
         return final
     return list(jobs)
+
+
+def yields(job: Job, now: float, frame_seconds: float) -> bool:
+    """Whether a job's next window may wait while another stage has work (`TileScheduler.yield_to`):
+    a later window, within YIELD_WAIT_S of its stream's last tile (or with its first still on its
+    way), whose stream's audio lasts longer than YIELD_SLACK_S past `now`."""
+    kind, deadline = job.urgency(now, frame_seconds)
+    recent = job.last_sent is None or now - job.last_sent < YIELD_WAIT_S
+    return kind == 1 and recent and deadline - now > YIELD_SLACK_S
 
 
 def deliver_first(first_tiles: Sequence[Job], batch: Sequence[Job], frame_seconds: float) -> bool:
@@ -217,6 +241,7 @@ class TileScheduler:
         max_queued: int,
         on_iteration: Callable[[Iteration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        yield_to: Callable[[], bool] | None = None,
     ):
         self.decoder, self.device = decoder, torch.device(device)
         self.sample_rate, self.hop_size = sample_rate, hop_size
@@ -225,6 +250,10 @@ class TileScheduler:
         self.on_iteration = on_iteration
         self.clock = clock
         self.look_ahead = self.device.type == "cuda"  # decodes are asynchronous there
+        # Asked on the scheduler's thread before each pick (it may be set after `start`): True while
+        # another stage has work for the GPU, and later windows wait (`yields`). None: never.
+        self.yield_to = yield_to
+        self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
         self._queued: deque[Job] = deque()  # waiting for a place among them, oldest first
@@ -343,6 +372,9 @@ class TileScheduler:
                 stopped = [*self._jobs, *self._queued] if self._stopping else []
                 asked = [job for job in (*self._jobs, *self._queued) if job.stop_asked]
                 batch = [] if self._stopping else self._take_batch()
+                if not batch and self.yielding and in_flight is None and not stopped and not asked:
+                    self._cond.wait(YIELD_POLL_S)  # every window left waits: ask again soon
+                    continue
             for job in stopped:
                 self._end(job, lambda job=job: job.sink.fail(ServerStopping(STOPPING_MESSAGE)))
             if stopped:
@@ -395,12 +427,19 @@ class TileScheduler:
 
     def _take_batch(self) -> list[Job]:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
+        now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
+        jobs = [job for job in self._jobs if not job.stop_asked and job.next_window < len(job.windows)]
+        waiting = []
+        if self.yield_to is not None and self.yield_to():
+            waiting = [job for job in jobs if yields(job, now, frame_seconds)]
+            jobs = [job for job in jobs if job not in waiting]
+        self.yielding = len(waiting)
         batch = pick_batch(
-            decodable([job for job in self._jobs if not job.stop_asked]),
+            decodable(jobs),
             key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),
             capacity=self.decoder.batch_capacity,
-            now=self.clock(),
-            frame_seconds=self.hop_size / self.sample_rate,
+            now=now,
+            frame_seconds=frame_seconds,
         )
         for job in batch:
             job.next_window += 1
@@ -482,6 +521,7 @@ class TileScheduler:
                     self._end(job, lambda job=job, err=err: job.sink.fail(err))
                     continue
             now = self.clock()
+            job.last_sent = now
             if job.first_sent is None:
                 job.first_sent = now
                 report.first_audio.append(now - job.arrived)

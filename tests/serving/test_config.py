@@ -14,6 +14,7 @@ from auk_triton.serving.config import (
     DiTSettings,
     EncodeSettings,
     OfflineSettings,
+    PipelineSettings,
     bool_parameter,
     cache_dir_path,
     checkpoint_path,
@@ -240,3 +241,12 @@ def test_auk_dits_fp8_linears_are_off_as_shipped_and_on_when_asked(tmp_path):
     assert DiTSettings.from_model_config(on, tmp_path, environ={}).fp8_linears is True
     with pytest.raises(ValueError, match="fp8_linears is 'e4m3'; use true or false"):
         DiTSettings.from_model_config({"parameters": {"fp8_linears": {"string_value": "e4m3"}}}, tmp_path, environ={})
+
+
+def test_auk_pipelines_decoder_does_not_yield_to_the_dit_as_shipped_and_does_when_asked():
+    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
+        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).decode_yields_to_dit is False
+    on = {"parameters": {"decode_yields_to_dit": {"string_value": "true"}}}
+    assert PipelineSettings.from_model_config(on).decode_yields_to_dit is True
+    with pytest.raises(ValueError, match="decode_yields_to_dit is 'soon'; use true or false"):
+        PipelineSettings.from_model_config({"parameters": {"decode_yields_to_dit": {"string_value": "soon"}}})

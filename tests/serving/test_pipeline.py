@@ -532,3 +532,28 @@ def test_a_request_of_more_than_one_clip_is_refused_naming_the_batch_axis(pipeli
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     finally:
         client.close()
+
+
+def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_the_decode_of_their_own_latents(
+        tmp_path, small_checkpoint):
+    """decode_yields_to_dit: while the long request keeps the DiT busy, the others' later windows
+    wait (a 128-frame tile here is 2.56 s of audio, far more than the slack), and every stream
+    still ends, each the decode of its own latents."""
+    checkpoint = checkpoint_with_dit(small_checkpoint, tmp_path / "checkpoint")
+    repository = copy_model_repository(tmp_path / "model_repository", models=("auk_vae_decode", "auk_pipeline"),
+                                       parameters={"decode_yields_to_dit": "true"})
+    shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    server = start_triton(tmp_path, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
+    try:
+        url = server.grpc_url
+        streamed = while_busy(url, lambda: concurrently(
+            [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]))
+        for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
+            assert not isinstance(audio, Exception), audio
+            alone = generate_latents(**request, url=url)
+            expected = assemble(list(stream_decode(alone, url=url, timeout=600)))
+            np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-4)
+        assert "auk_pipeline: the decoder's later windows wait while the DiT holds requests" in server.log()
+    finally:
+        server.stop()

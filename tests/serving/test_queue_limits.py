@@ -55,7 +55,7 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
         # One request decoding (several seconds here: a long clip, so that it is still decoding
         # when the second has waited its half second), one waiting in the scheduler's queue, and
         # the third refused at once, with its reason; the first two are served in full.
-        frames = (1800, 600, 600)
+        frames = (1800, 200, 200)
         for index in range(3):
             streams.append(DecodeStream(server.grpc_url))
             began = time.monotonic()
@@ -84,7 +84,7 @@ def test_past_the_active_limit_streams_queue_and_past_the_queue_one_is_refused_a
     # Served once the queue has room again.
     stream = DecodeStream(server.grpc_url)
     try:
-        stream.send(make_latents(9), request_id="again")
+        stream.send(make_latents(9, frames=200), request_id="again")
         assert stream.collect(timeout=120)["again"].events[-1] == "tile+final"
     finally:
         stream.close()
@@ -103,7 +103,7 @@ def test_the_offline_model_refuses_a_request_past_its_queue_with_unavailable_and
         done = []
         # One decoding, then more than the scheduler and its queue of one can hold: the one
         # decoding (a long clip) takes several seconds here, these three less than two.
-        for seed, frames in ((10, 1800), (11, 600), (12, 600)):
+        for seed, frames in ((10, 1800), (11, 200), (12, 200)):
             client.async_infer(OFFLINE_MODEL, inputs(grpcclient, make_latents(seed, frames)),
                                lambda result, error, frames=frames: done.append((frames, result, error)))
             time.sleep(0.5)

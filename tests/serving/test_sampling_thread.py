@@ -91,3 +91,31 @@ def test_a_stop_hands_back_the_requests_admit_held():
     thread.submit("plan", "b")
     time.sleep(0.1)
     assert thread.stop() == ["a", "b"]
+
+
+
+def test_it_is_busy_while_its_runs_hold_a_request_and_not_for_one_admit_holds_back():
+    runs, admitted = StandInRuns(steps=10**9), threading.Event()
+    thread = SamplingThread(runs, lambda tag, result: None, admit=admitted.is_set)
+    assert not thread.busy
+    thread.submit("plan", "held back")
+    time.sleep(0.2)
+    assert len(runs) == 0 and not thread.busy, "a request admit holds back gives the GPU no work"
+    admitted.set()
+    deadline = time.monotonic() + 10
+    while not len(runs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.busy
+    assert thread.stop(timeout_s=5) == ["held back"]
+
+
+def test_it_is_idle_again_once_its_last_request_has_left():
+    answers = []
+    thread = SamplingThread(StandInRuns(steps=3), lambda tag, result: answers.append(tag))
+    thread.submit("plan", "a")
+    _wait_for(answers, 1)
+    deadline = time.monotonic() + 10
+    while thread.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert answers == ["a"] and not thread.busy
+    assert thread.stop() == []

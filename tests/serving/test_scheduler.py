@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
-from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, Job, TileScheduler, decodable, deliver_first,
-                                         pick_batch)
+from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, YIELD_SLACK_S, YIELD_WAIT_S, Job, TileScheduler,
+                                         decodable, deliver_first, pick_batch, yields)
 
 HOP = 4
 WINDOW = 10  # frames per window of the stand-in plan
@@ -568,3 +568,54 @@ def test_close_stops_what_is_left_after_the_drain_so_shutdown_stays_prompt(sched
     assert time.monotonic() - began < 2.0
     assert sink.ended.wait(5) and isinstance(sink.ending, ServerStopping), sink.ending
     assert len(sink.tiles) < 10
+
+
+def test_a_later_window_yields_only_soon_after_its_stream_s_last_tile_and_with_more_audio_left_than_the_slack():
+    frame_seconds = HOP / 1000
+    job = Job(clip(3000, 1.0), RecordingSink([], 1.0), arrived=0.0)
+    job.windows = StandInDecoder().plan(3000)
+    assert not yields(job, now=0.0, frame_seconds=frame_seconds), "a first window never waits"
+    job.next_window = 200  # 200 windows taken, 8 s of audio: far ahead of its playback
+    assert yields(job, now=0.0, frame_seconds=frame_seconds), "its first tile is still on its way"
+    job.first_sent = job.last_sent = 0.0
+    assert yields(job, now=YIELD_WAIT_S - 1e-6, frame_seconds=frame_seconds)
+    assert not yields(job, now=YIELD_WAIT_S, frame_seconds=frame_seconds), "it has waited long enough"
+    job.last_sent = 7.0
+    assert yields(job, now=7.0, frame_seconds=frame_seconds)
+    assert not yields(job, now=8.0 - YIELD_SLACK_S + 1e-6, frame_seconds=frame_seconds), "its audio runs out soon"
+
+
+def test_while_another_stage_has_work_later_windows_wait_and_first_windows_go_at_once(scheduler_of):
+    """At 10 samples a second a 10-frame window is 4 s of audio. A stream's next window waits
+    until YIELD_WAIT_S after its last tile, or its audio would run out within YIELD_SLACK_S, or
+    the other stage is idle; a new request's first window does not wait."""
+    now, busy = [0.0], [True]
+    decoder = StandInDecoder(capacity=1)
+    scheduler = TileScheduler(decoder, torch.device("cpu"), sample_rate=10, hop_size=HOP, max_active=8,
+                              max_queued=0, clock=lambda: now[0], yield_to=lambda: busy[0])
+    scheduler.start()
+
+    def settled(condition) -> bool:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # and nothing more happens meanwhile
+        return condition()
+
+    try:
+        log = []
+        playing = submit(scheduler, 4 * WINDOW, 1.0, log)
+        assert settled(lambda: len(playing.tiles) == 1 and scheduler.yielding == 1)
+        fresh = submit(scheduler, WINDOW, 2.0, log)
+        assert fresh.ended.wait(10) and fresh.ending == "complete", "a first window does not wait"
+        assert len(playing.tiles) == 1
+        now[0] = WINDOW * HOP / 10 - YIELD_SLACK_S + 0.01  # its audio would run out within the slack
+        assert settled(lambda: len(playing.tiles) == 2 and scheduler.yielding == 1), "the third waits"
+        now[0] += YIELD_WAIT_S + 0.01  # longer than a window may wait
+        assert settled(lambda: len(playing.tiles) == 3 and scheduler.yielding == 1), "the fourth waits"
+        busy[0] = False
+        assert playing.ended.wait(10) and playing.ending == "complete"
+        torch.testing.assert_close(playing.waveform(), expected_waveform(4 * WINDOW), rtol=0, atol=0)
+        assert scheduler.yielding == 0 and decoder.batches == [[1.0], [2.0], [1.0], [1.0], [1.0]]
+    finally:
+        scheduler.close(drain_s=5)
