@@ -66,7 +66,7 @@ class Costs:
         return self.steps * self.step_ms(1) + self.first_window_ms + self.fixed_ms
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     arrived: float
     steps: int = 0
