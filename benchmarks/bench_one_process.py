@@ -68,7 +68,8 @@ from auk_triton.serving.sampling_thread import SamplingThread
 from auk_triton.serving.scheduler import Job, TileScheduler
 from common import heading, percentile, sampler_config, say, served_graph, synthetic_checkpoint
 
-LAYOUTS = ("two processes", "one process", "one process, decode first", "one process, decode first, later windows yield")
+LAYOUTS = ("two processes", "one process", "one process, decode first",
+           "one process, decode first, later windows yield")
 ONE_CLIENT_GAP_S = 0.1
 HIGHEST_PRIORITY = -100  # CUDA: a lower number is a higher priority
 CAPACITY_SETTLE_S = 2.0  # the closed loop's first seconds, not counted

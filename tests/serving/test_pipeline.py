@@ -537,7 +537,7 @@ def test_a_request_of_more_than_one_clip_is_refused_naming_the_batch_axis(pipeli
 def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_the_decode_of_their_own_latents(
         tmp_path, small_checkpoint):
     """decode_yields_to_dit: while the long request keeps the DiT busy, the others' later windows
-    wait (a 128-frame tile here is 2.56 s of audio, far more than the slack), and every stream
+    wait (each up to YIELD_WAIT_S: their audio lasts longer than the slack), and every stream
     still ends, each the decode of its own latents."""
     checkpoint = checkpoint_with_dit(small_checkpoint, tmp_path / "checkpoint")
     repository = copy_model_repository(tmp_path / "model_repository", models=("auk_vae_decode", "auk_pipeline"),
