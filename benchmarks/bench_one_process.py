@@ -46,7 +46,6 @@ import contextlib
 import math
 import multiprocessing
 import queue
-import random
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ from auk_triton.diffusion.synthetic import synthetic_transformer
 from auk_triton.serving.config import DecodeSettings, DiTSettings, use_compile_cache
 from auk_triton.serving.sampling_thread import SamplingThread
 from auk_triton.serving.scheduler import Job, TileScheduler
-from common import heading, percentile, sampler_config, say, served_graph, synthetic_checkpoint
+from common import heading, percentile, poisson, sampler_config, say, served_graph, synthetic_checkpoint
 
 LAYOUTS = ("two processes", "one process", "one process, decode first",
            "one process, decode first, later windows yield")
@@ -336,13 +335,6 @@ class Load:
         settle = min(CAPACITY_SETTLE_S, seconds / 2)
         counted = [at for at in phase.done.values() if began + settle <= at < end]
         return phase, len(counted) / (seconds - settle)
-
-
-def poisson(rate: float, duration: float, seed: int) -> list[float]:
-    draws, offsets, at = random.Random(seed), [], 0.0
-    while (at := at + draws.expovariate(rate)) < duration:
-        offsets.append(at)
-    return offsets
 
 
 def summary(name: str, phase: Phase, one_client_ms: float | None = None) -> str:

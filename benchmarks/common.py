@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -189,6 +190,14 @@ def compile_time_breakdown(top: int = 16) -> str:
             continue
     phases.sort(reverse=True)
     return "; ".join(f"{name} {seconds:.1f} s" for seconds, name in phases[:top])
+
+
+def poisson(rate: float, duration: float, seed: int) -> list[float]:
+    """Arrival times (s) of a Poisson process of `rate` per second over `duration` seconds."""
+    draws, offsets, at = random.Random(seed), [], 0.0
+    while (at := at + draws.expovariate(rate)) < duration:
+        offsets.append(at)
+    return offsets
 
 
 def percentile(values, q: float) -> float:

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 from dataclasses import dataclass, replace
 
 from auk_triton.serving.scheduler import YIELD_SLACK_S
+from common import percentile, poisson
 
 CLOSED_LOOP_CLIENTS = 48
 CLOSED_LOOP_S = 60.0
@@ -160,19 +160,9 @@ def capacity(costs: Costs, policy: str) -> float:
     return len(counted) / (CLOSED_LOOP_S - SETTLE_S)
 
 
-def poisson(rate: float, seconds: float, seed: int = 0) -> list[float]:
-    """Arrival times (ms) at `rate` requests per second."""
-    rng, at, times = random.Random(seed), 0.0, []
-    while True:
-        at += rng.expovariate(rate / 1e3)
-        if at >= seconds * 1e3:
-            return times
-        times.append(at)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+def arrivals_ms(rate: float, seconds: float, seed: int = 0) -> list[float]:
+    """Poisson arrival times (ms) at `rate` requests per second."""
+    return [at * 1e3 for at in poisson(rate, seconds, seed)]
 
 
 def main() -> None:
@@ -193,7 +183,7 @@ def main() -> None:
     for policy in POLICIES:
         most = capacity(costs, policy)
         for rate in [share * most for share in args.loads] + args.rates:
-            times, _, late = serve(costs, policy, arrivals=poisson(rate, OPEN_LOOP_S))
+            times, _, late = serve(costs, policy, arrivals=arrivals_ms(rate, OPEN_LOOP_S))
             p99 = percentile(times, 99)
             print(f"| {policy} | {most:.1f} | {rate:.1f} ({rate / most:.2f}) | "
                   f"{percentile(times, 50):.1f} / {p99:.1f} | {p99 / alone:.2f}x | {late} of {len(times)} |")

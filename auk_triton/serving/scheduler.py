@@ -429,11 +429,10 @@ class TileScheduler:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
         jobs = [job for job in self._jobs if not job.stop_asked and job.next_window < len(job.windows)]
-        waiting = []
+        left = len(jobs)
         if self.yield_to is not None and self.yield_to():
-            waiting = [job for job in jobs if yields(job, now, frame_seconds)]
-            jobs = [job for job in jobs if job not in waiting]
-        self.yielding = len(waiting)
+            jobs = [job for job in jobs if not yields(job, now, frame_seconds)]
+        self.yielding = left - len(jobs)
         batch = pick_batch(
             decodable(jobs),
             key_of=lambda job: self.decoder.batch_key(job.windows[job.next_window][1], self.device),

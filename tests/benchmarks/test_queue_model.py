@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from auk_triton.serving.scheduler import YIELD_SLACK_S  # noqa: E402
-from queue_model import POLICIES, Costs, capacity, percentile, poisson, serve  # noqa: E402
+from queue_model import POLICIES, Costs, arrivals_ms, capacity, percentile, serve  # noqa: E402
 
 COSTS = Costs()
 
@@ -56,7 +56,7 @@ def test_with_decode_first_a_clip_s_rest_goes_ahead_of_a_step_and_after_the_dit_
 
 def test_the_tail_grows_with_the_load():
     most = capacity(COSTS, "decode first")
-    tails = [percentile(serve(COSTS, "decode first", arrivals=poisson(share * most, 60.0))[0], 99)
+    tails = [percentile(serve(COSTS, "decode first", arrivals=arrivals_ms(share * most, 60.0))[0], 99)
              for share in (0.2, 0.5, 0.8)]
     assert COSTS.alone_ms() < tails[0] < tails[1] < tails[2]
 

@@ -93,7 +93,6 @@ def test_a_stop_hands_back_the_requests_admit_held():
     assert thread.stop() == ["a", "b"]
 
 
-
 def test_it_is_busy_while_its_runs_hold_a_request_and_not_for_one_admit_holds_back():
     runs, admitted = StandInRuns(steps=10**9), threading.Event()
     thread = SamplingThread(runs, lambda tag, result: None, admit=admitted.is_set)
