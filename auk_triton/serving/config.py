@@ -359,8 +359,8 @@ class PipelineSettings:
 
     # While the DiT holds requests, each stream's later windows wait for it a little
     # (scheduler.yields): a new request's steps then do not queue behind other clips' decoding
-    # (first windows never wait). Off by default: modelled
-    # (benchmarks/studies/pipeline-open-loop-tail.md), not yet measured on a GPU.
+    # (first windows never wait). Off by default: served, it raised capacity but also the open
+    # loop's first-audio p99 (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_yields_to_dit: bool = False
 
     @classmethod
