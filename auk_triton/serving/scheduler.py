@@ -5,13 +5,16 @@ Order. Each iteration serves the most urgent window first and fills the replay
 with other windows of the same batch key (`AuKVAEDecodeGraph.batch_key`) in the
 same order, up to that key's batch capacity:
 
-1. a request's first window, oldest request first, so first audio waits for at
+1. a later window whose stream's audio runs out within DUE_SOON_S, by deadline:
+   the moment the audio of the windows already taken for that stream runs out if
+   it is played from its first tile on. At saturation a stream that has begun then
+   keeps ahead of its playback, and the wait falls on new requests' first audio;
+2. a request's first window, oldest request first, so first audio waits for at
    most the iteration in flight;
-2. then by deadline: the moment the audio of the windows already taken for that
-   stream runs out if it is played from its first tile on (a first tile still on
-   its way counts as played from now). A second window taken while its first tile
-   is still in flight waits its turn: counted as urgent, new requests' second
-   windows would keep the older streams waiting for as long as requests arrive.
+3. then the other later windows by deadline (a first tile still on its way counts
+   as played from now). A second window taken while its first tile is still in
+   flight waits its turn: counted as urgent, new requests' second windows would
+   keep the older streams waiting for as long as requests arrive.
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
@@ -82,6 +85,9 @@ STALE_FIRST_WINDOW_S = 0.02
 # iteration or a few, not only when that request's next window comes round, after other
 # windows of it have decoded for nobody.
 CANCELLED_SWEEP_SHARE = 0.1
+# A later window whose stream's audio runs out within this goes ahead of new requests' first
+# windows: several replays' time, and a small part of a 10 s clip's first tile (0.46 s of audio).
+DUE_SOON_S = 0.1
 # An iteration is handed over before the next one is launched when that next one only goes on
 # with the streams whose first tile it holds, and their audio is due this much later or more
 # (`deliver_first`): a replay or two; the next one waits for the sends.
@@ -145,13 +151,20 @@ class Job:
     stop_asked: bool = False  # cancelled through `TileScheduler.cancel`: ended at the next iteration
 
     def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
-        """Smaller is more urgent: first windows by arrival, then the rest by deadline (the
-        module docstring's order; `frame_seconds`: the audio of one latent frame)."""
+        """Smaller is more urgent: later windows due within DUE_SOON_S by deadline, first windows
+        by arrival, then the other later windows by deadline (the module docstring's order;
+        `frame_seconds`: the audio of one latent frame)."""
         if self.next_window == 0:
-            return (0, self.arrived)
+            return (1, self.arrived)
+        deadline = self.deadline(now, frame_seconds)
+        return (0 if deadline - now < DUE_SOON_S else 2, deadline)
+
+    def deadline(self, now: float, frame_seconds: float) -> float:
+        """When a later window's stream runs out of audio, played from its first tile (one still
+        on its way: from now)."""
         played_from = self.first_sent if self.first_sent is not None else now
         emitted_frames = self.windows[self.next_window - 1][3]  # tiles are contiguous from frame 0
-        return (1, played_from + emitted_frames * frame_seconds)
+        return played_from + emitted_frames * frame_seconds
 
 
 def pick_batch(
@@ -182,9 +195,10 @@ def yields(job: Job, now: float, frame_seconds: float) -> bool:
     """Whether a job's next window may wait while another stage has work (`TileScheduler.yield_to`):
     a later window, within YIELD_WAIT_S of its stream's last tile (or with its first still on its
     way), whose stream's audio lasts longer than YIELD_SLACK_S past `now`."""
-    kind, deadline = job.urgency(now, frame_seconds)
+    if job.next_window == 0:
+        return False
     recent = job.last_sent is None or now - job.last_sent < YIELD_WAIT_S
-    return kind == 1 and recent and deadline - now > YIELD_SLACK_S
+    return recent and job.deadline(now, frame_seconds) - now > YIELD_SLACK_S
 
 
 def deliver_first(first_tiles: Sequence[Job], batch: Sequence[Job], frame_seconds: float) -> bool:

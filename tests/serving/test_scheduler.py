@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
-from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, YIELD_SLACK_S, YIELD_WAIT_S, Job, TileScheduler,
-                                         decodable, deliver_first, pick_batch, yields)
+from auk_triton.serving import scheduler as scheduler_module
+from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, DUE_SOON_S, YIELD_SLACK_S, YIELD_WAIT_S, Job,
+                                         TileScheduler, decodable, deliver_first, pick_batch, yields)
 
 HOP = 4
 WINDOW = 10  # frames per window of the stand-in plan
@@ -127,7 +128,9 @@ def test_every_request_gets_its_own_samples_in_order(scheduler_of):
     assert scheduler.active == 0
 
 
-def test_a_new_request_s_first_window_goes_before_the_windows_of_a_stream_in_progress(scheduler_of):
+def test_a_new_request_s_first_window_goes_before_the_windows_of_a_stream_in_progress(scheduler_of, monkeypatch):
+    # The stand-in's windows hold 40 ms of audio: every later window would be due soon.
+    monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)
     now = [0.0]
     decoder = StandInDecoder(capacity=1)
     decoder.permits = threading.Semaphore(1)  # the long stream's first window only
@@ -164,6 +167,22 @@ def test_windows_go_by_deadline_after_the_first(scheduler_of):
     assert pick(early, late, fresh, capacity=1) == [fresh], "first windows first"
     assert pick(early, late, fresh, capacity=2) == [fresh, late]
     del scheduler
+
+
+def test_a_later_window_due_soon_goes_before_new_first_windows_and_one_due_later_after_them():
+    decoder = StandInDecoder()
+    streams = [Job(clip(1000, tag), RecordingSink([], tag)) for tag in (1.0, 2.0)]
+    for job, first_sent in zip(streams, (1.0, 2.0)):
+        job.windows = decoder.plan(1000)
+        job.next_window, job.first_sent = 1, first_sent  # one window out: 40 ms of audio
+    behind, ahead = streams  # audio runs out at 1.04 s and 2.04 s
+    fresh = Job(clip(30, 3.0), RecordingSink([], 3.0), arrived=0.5)
+    fresh.windows = decoder.plan(30)
+    now = 1.04 - DUE_SOON_S / 2
+    assert pick(ahead, fresh, behind, capacity=1, now=now) == [behind], "a stream about to run out waited"
+    assert pick(ahead, fresh, capacity=1, now=now) == [fresh], "first windows first otherwise"
+    # Overdue streams too go first, by deadline.
+    assert pick(ahead, fresh, behind, capacity=2, now=5.0) == [behind, ahead]
 
 
 def pick(*jobs: Job, capacity: int, now: float = 0.0) -> list[Job]:
@@ -259,7 +278,8 @@ def test_in_a_closed_loop_new_requests_second_windows_do_not_starve_older_stream
     assert max(took) < 0.1, f"a request took {max(took) * 1e3:.0f} ms of decodes"
 
 
-def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of):
+def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)  # 40 ms windows: all due soon otherwise
     decoder = StandInDecoder(capacity=1)
     decoder.gate = threading.Event()
     scheduler = scheduler_of(decoder)
