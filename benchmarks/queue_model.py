@@ -53,7 +53,7 @@ class Costs:
     max_rows: int = 16  # rows a step serves at most (the largest bucket's graphs)
     first_window_ms: float = 2.03  # the 32-frame bucket (p3)
     first_window_more_ms: float = 0.3  # each further first window in the replay (assumed)
-    first_window_audio_ms: float = 640.0  # its audio: 32 frames
+    first_window_audio_ms: float = 460.0  # its audio: 23 of its 32 frames (9 are the right context)
     rest_of_clip_ms: float = 4.8  # 6.8 ms of decode a 10 s clip in all (r9), less its first window
     rest_per_replay: int = 4  # clips whose rest decodes in one replay
     fixed_ms: float = 10.0  # one client's first audio (24.5 ms, r9) less its GPU work

@@ -359,8 +359,9 @@ class PipelineSettings:
 
     # While the DiT holds requests, each stream's later windows wait for it a little
     # (scheduler.yields): a new request's steps then do not queue behind other clips' decoding
-    # (first windows never wait). Off by default: served, it raised capacity but also the open
-    # loop's first-audio p99 (benchmarks/studies/pipeline-open-loop-tail.md).
+    # (first windows never wait). Off by default: served with a slack that let a rest wait 20 ms,
+    # it raised the open loop's first-audio p99; at today's slack it is not measured served
+    # (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_yields_to_dit: bool = False
 
     @classmethod

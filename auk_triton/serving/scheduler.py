@@ -95,10 +95,11 @@ DELIVER_FIRST_SLACK_S = 0.1
 # While `yield_to` says another stage has work for the GPU, a later window waits: for at most
 # YIELD_WAIT_S after its stream's last tile was handed over (a long clip does not stay in the
 # scheduler through its playback), and only while its stream's audio lasts longer than
-# YIELD_SLACK_S (what is left covers the replays queued ahead of it). A 10 s clip's rest, after
-# a first tile of 0.64 s, waits at most 0.2 s either way.
+# YIELD_SLACK_S (what is left covers the replays queued ahead of it). A 10 s clip's first tile
+# holds 0.46 s of audio (23 of its window's 32 frames; 9 are the decoder's right context), so its
+# rest waits at most 0.2 s either way.
 YIELD_WAIT_S = 0.2
-YIELD_SLACK_S = 0.44
+YIELD_SLACK_S = 0.26
 # How often a scheduler whose every window left is waiting asks `yield_to` again.
 YIELD_POLL_S = 0.002
 
