@@ -278,6 +278,37 @@ def test_in_a_closed_loop_new_requests_second_windows_do_not_starve_older_stream
     assert max(took) < 0.1, f"a request took {max(took) * 1e3:.0f} ms of decodes"
 
 
+class LongFirstTiles(ShortFirstWindows):
+    """The served 10 s clip's shape: a first tile of 0.4 s of audio, then one window of the rest."""
+
+    FIRST, REST = 100, 150
+
+
+@pytest.mark.parametrize("due_soon", [True, False], ids=["streams due soon first", "first windows always first"])
+def test_at_saturation_streams_that_have_begun_keep_ahead_of_their_playback(scheduler_of, monkeypatch, due_soon):
+    # 24 closed-loop clients, 10 ms a replay: each stream's rest waits for about 24 others, near
+    # the 0.4 s its first tile plays, as in auk_pipeline at 48 clients (the DiT's admission holds
+    # about 30 streams in its decoder). First windows always first, nearly every stream ran out
+    # before its rest; with streams due soon first, the wait falls on the first windows instead.
+    if not due_soon:
+        monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    scheduler = scheduler_of(LongFirstTiles(now, cost=0.01), max_active=64, clock=clock)
+    scheduler.look_ahead = True
+    left, took = [300], []
+    for _ in range(24):
+        ClosedLoopClient(scheduler, LongFirstTiles.FIRST + LongFirstTiles.REST, left, took, clock)
+    deadline = time.monotonic() + 60
+    while len(took) < 324:
+        assert time.monotonic() < deadline, f"{len(took)} of 324 requests ended"
+        time.sleep(0.01)
+    if due_soon:
+        assert scheduler.underruns == 0, f"{scheduler.underruns} tiles came after their stream's audio ran out"
+    else:
+        assert scheduler.underruns > 100, "the load left the decoder time to spare: the test shows nothing"
+
+
 def test_equal_streams_share_the_decoder_and_finish_together(scheduler_of, monkeypatch):
     monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)  # 40 ms windows: all due soon otherwise
     decoder = StandInDecoder(capacity=1)
