@@ -8,7 +8,9 @@ same order, up to that key's batch capacity:
 1. a later window whose stream's audio runs out within DUE_SOON_S, by deadline:
    the moment the audio of the windows already taken for that stream runs out if
    it is played from its first tile on. At saturation a stream that has begun then
-   keeps ahead of its playback, and the wait falls on new requests' first audio;
+   keeps ahead of its playback, and the wait falls on new requests' first audio.
+   Its client is asked first whether it has gone: an abandoned stream falls behind
+   its deadlines and would otherwise keep new requests waiting;
 2. a request's first window, oldest request first, so first audio waits for at
    most the iteration in flight;
 3. then the other later windows by deadline (a first tile still on its way counts
@@ -150,6 +152,7 @@ class Job:
     sent_seconds: float = 0.0  # audio handed over so far
     finished: bool = False
     stop_asked: bool = False  # cancelled through `TileScheduler.cancel`: ended at the next iteration
+    taken_ahead: bool = False  # its window in launch went ahead of first windows (due soon)
 
     def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
         """Smaller is more urgent: later windows due within DUE_SOON_S by deadline, first windows
@@ -456,6 +459,7 @@ class TileScheduler:
             frame_seconds=frame_seconds,
         )
         for job in batch:
+            job.taken_ahead = job.urgency(now, frame_seconds)[0] == 0
             job.next_window += 1
         return batch
 
@@ -467,8 +471,11 @@ class TileScheduler:
         live = []
         for job in batch:
             # Asking is a round trip to the server: only a first window that has waited asks
-            # here (later windows ask after their tile is sent, off the first audio's path).
-            if job.next_window == 1 and now - job.arrived > STALE_FIRST_WINDOW_S and job.sink.cancelled():
+            # here, and a window that goes ahead of first windows, since an abandoned stream
+            # soon falls behind its deadlines and would hold new requests back (other later
+            # windows ask after their tile is sent, off the first audio's path).
+            stale = job.next_window == 1 and now - job.arrived > STALE_FIRST_WINDOW_S
+            if (stale or job.taken_ahead) and job.sink.cancelled():
                 self._end(job, job.sink.stop)
             else:
                 live.append(job)

@@ -185,6 +185,37 @@ def test_a_later_window_due_soon_goes_before_new_first_windows_and_one_due_later
     assert pick(ahead, fresh, behind, capacity=2, now=5.0) == [behind, ahead]
 
 
+class LeavesAfterFirstAsk(RecordingSink):
+    """A client that goes right after its first tile was sent and it was asked once; that tile's
+    delivery waits for `proceed`, so the test can submit another request meanwhile."""
+
+    def __init__(self, log, tag):
+        super().__init__(log, tag)
+        self.asked, self.delivering, self.proceed = 0, threading.Event(), threading.Event()
+
+    def cancelled(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+    def tile(self, start_sample, samples, last):
+        super().tile(start_sample, samples, last)
+        self.delivering.set()
+        assert self.proceed.wait(10), "the test never let the tile go"
+
+
+def test_a_window_due_soon_of_a_client_that_has_gone_is_not_decoded_ahead_of_a_new_request(scheduler_of):
+    decoder = StandInDecoder(capacity=1)
+    scheduler = scheduler_of(decoder, clock=lambda: 0.0)  # 40 ms windows: every later one is due soon
+    log = []
+    gone = LeavesAfterFirstAsk(log, 1.0)
+    scheduler.submit(Job(clip(100, 1.0), gone))
+    assert gone.delivering.wait(10)
+    new = submit(scheduler, 10, 2.0, log)
+    gone.proceed.set()
+    assert new.ended.wait(10) and new.ending == "complete" and gone.ending == "cancelled"
+    assert decoder.batches == [[1.0], [2.0]], "a window was decoded for a client that had gone"
+
+
 def pick(*jobs: Job, capacity: int, now: float = 0.0) -> list[Job]:
     """pick_batch over the stand-in's windows (one batch key; HOP samples per frame at 1 kHz)."""
     return pick_batch(jobs, lambda job: WINDOW, lambda key: capacity, now=now, frame_seconds=HOP / 1000)
