@@ -27,11 +27,11 @@ request's arrival, the median time at which each call of the sampling thread's s
 returned (the first has built the run's context and queued its first step), its latents
 handed to the decoder (in two processes once on the host; in one, a lone request's as their
 last step is queued), its first and last tiles; the capacity, `--clients` closed-loop clients for
-`--closed-seconds`; then Poisson arrivals at `--load` of that capacity for `--duration` s.
-First audio runs from a request's arrival to its first tile on the host: no client,
-transport or front door. "Late tiles" are the tiles the scheduler handed over after the
-audio before them had run out (underruns); "backlog" the requests in flight when the
-arrivals end.
+`--closed-seconds`; then Poisson arrivals at `--load` of that capacity for `--duration` s, and
+where the first audio of the slowest 1% of them went, against all of them. First audio runs
+from a request's arrival to its first tile on the host: no client, transport or front door.
+"Late tiles" are the tiles the scheduler handed over after the audio before them had run out
+(underruns); "backlog" the requests in flight when the arrivals end.
 
 Weights are seeded synthetic ones in the released dims: the audio is not real.
 
@@ -207,7 +207,7 @@ class ChildDecoding:
 
 class RunsOnStream:
     """JoinedRuns whose submissions and steps are queued on `stream` (None: as they are); each
-    step's return goes to `events` as ("step", None, time)."""
+    step's return goes to `events` as ("step", requests held when it was called, time)."""
 
     def __init__(self, runs: JoinedRuns, stream, events):
         self.runs, self.stream, self.events = runs, stream, events
@@ -223,9 +223,10 @@ class RunsOnStream:
             self.runs.submit(*args, **kwargs)
 
     def step(self):
+        held = len(self.runs)
         with self._on_stream():
             done = self.runs.step()
-        self.events.put(("step", None, time.monotonic()))
+        self.events.put(("step", held, time.monotonic()))
         return done
 
     def drain(self):
@@ -257,6 +258,7 @@ class Phase:
     done: dict[int, float] = field(default_factory=dict)  # -> its last tile
     latents: dict[int, float] = field(default_factory=dict)  # -> its latents handed to the decoder
     steps: list[float] = field(default_factory=list)  # when each step call returned
+    held: list[int] = field(default_factory=list)  # the requests the DiT held at each step call
     errors: list[str] = field(default_factory=list)
     late_tiles: int = 0
     backlog: int = 0  # in flight when the arrivals ended
@@ -300,6 +302,7 @@ class Load:
                 phase.latents[key] = value
             elif kind == "step":
                 phase.steps.append(value)
+                phase.held.append(key)
             elif kind == "late":
                 phase.late_tiles += key
 
@@ -363,6 +366,35 @@ def one_client_phases(phase: Phase) -> str:
             f"handed over {medians[-3]:.2f}; first tile {medians[-2]:.2f}; last tile {medians[-1]:.2f}")
 
 
+def tail_phases(phase: Phase, slowest: float = 0.01) -> str:
+    """Where the open loop's first audio goes, for all requests and for the slowest share of
+    them: the medians of its sampling (arrival to latents handed to the decoder) and its first
+    window (to its first tile), and of the step calls that returned while it was sampled: how
+    many, how far apart, and how many requests the DiT held at each."""
+    rows = []
+    for request, arrived in phase.arrived.items():
+        if request in phase.first and request in phase.latents:
+            handed = phase.latents[request]
+            calls = [(at, held) for at, held in zip(phase.steps, phase.held) if arrived < at <= handed + 1e-3]
+            spacing = [b[0] - a[0] for a, b in zip(calls, calls[1:])]
+            rows.append(((phase.first[request] - arrived) * 1e3, (handed - arrived) * 1e3,
+                         (phase.first[request] - handed) * 1e3, len(calls),
+                         statistics.median(spacing) * 1e3 if spacing else math.nan,
+                         statistics.median(held for _, held in calls) if calls else math.nan))
+    if not rows:
+        return "  open loop, by phase: no request with all its stamps"
+    rows.sort()
+    tail = rows[-max(1, math.ceil(slowest * len(rows))):]
+
+    def medians(column: int) -> str:
+        return " / ".join(f"{statistics.median(row[column] for row in part):.1f}" for part in (rows, tail))
+
+    return (f"  open loop, by phase (medians of all {len(rows)} / of the slowest {len(tail)}): first audio "
+            f"{medians(0)} ms; arrival to latents handed over {medians(1)} ms; to the first tile {medians(2)} ms; "
+            f"step calls returned meanwhile {medians(3)}, {medians(4)} ms apart, the DiT holding {medians(5)} "
+            "requests at each")
+
+
 def run_layout(load: Load, args) -> list[str]:
     one = load.arrivals([ONE_CLIENT_GAP_S * k for k in range(args.one_client_requests)])
     one_ms = statistics.median(one.first_audio_ms())
@@ -372,7 +404,7 @@ def run_layout(load: Load, args) -> list[str]:
     return [summary("one client", one), one_client_phases(one),
             summary(f"{args.clients} closed-loop clients", closed) + f"; {capacity:.2f} requests/s",
             summary(f"open loop at {args.load:g} of that ({rate:.2f} requests/s, {args.duration:g} s)", opened, one_ms)
-            + f"; backlog {opened.backlog}"]
+            + f"; backlog {opened.backlog}", tail_phases(opened)]
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_one_process import LAYOUTS, Load, one_client_phases  # noqa: E402
+from bench_one_process import LAYOUTS, Load, Phase, one_client_phases, tail_phases  # noqa: E402
 
 
 class StandIn:
@@ -40,8 +40,8 @@ class StandIn:
         with self.lock:
             self.held -= 1
         now = time.monotonic()
-        self.events.put(("step", None, now - self.delay_s / 2))  # a step call halfway, one at the end
-        self.events.put(("step", None, now - 0.0005))
+        self.events.put(("step", 1, now - self.delay_s / 2))  # a step call halfway, one at the end
+        self.events.put(("step", 1, now - 0.0005))
         self.events.put(("latents", request_id, now - 0.0005))
         self.events.put(("first", request_id, now))
         self.events.put(("done", request_id, now))
@@ -81,6 +81,30 @@ def test_a_lone_requests_phases_are_the_medians_of_its_step_calls_latents_and_ti
     assert "not separable" in one_client_phases(overlapped)
 
 
+def test_the_open_loops_slowest_requests_are_split_into_their_sampling_and_their_first_window():
+    # 200 requests 100 ms apart: each sampled in 20 ms over two step calls 10 ms apart and its first
+    # tile 5 ms later, but the last two sampled in 80 ms (two calls 40 ms apart) with their first
+    # tile 30 ms later, the DiT holding 3 requests at their steps: the slowest 1% are those two.
+    phase = Phase()
+    for request in range(200):
+        arrived = request * 0.1
+        slow = request >= 198
+        sampled, first_window, spacing = (0.08, 0.03, 0.04) if slow else (0.02, 0.005, 0.01)
+        phase.arrived[request], phase.latents[request] = arrived, arrived + sampled
+        phase.first[request] = arrived + sampled + first_window
+        phase.steps += [arrived + sampled - spacing, arrived + sampled]
+        phase.held += [3, 3] if slow else [1, 1]
+    figures = re.search(r"of all 200 / of the slowest 2\): first audio ([\d.]+) / ([\d.]+) ms; arrival to latents "
+                        r"handed over ([\d.]+) / ([\d.]+) ms; to the first tile ([\d.]+) / ([\d.]+) ms; "
+                        r"step calls returned meanwhile ([\d.]+) / ([\d.]+), ([\d.]+) / ([\d.]+) ms apart, "
+                        r"the DiT holding ([\d.]+) / ([\d.]+) requests at each",
+                        tail_phases(phase))
+    assert figures, tail_phases(phase)
+    assert [float(value) for value in figures.groups()] == [25.0, 110.0, 20.0, 80.0, 5.0, 30.0,
+                                                             2.0, 2.0, 10.0, 40.0, 1.0, 3.0]
+    assert "no request" in tail_phases(Phase())
+
+
 def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets_and_leaves_no_folder_behind(
         tmp_path, tmp_path_factory):
     # torch makes its compile cache folder when it first imports its compiler, by default in TMPDIR:
@@ -101,6 +125,7 @@ def test_each_layout_serves_every_request_on_a_cpu_with_tiny_presets_and_leaves_
     lines = [line for line in result.stdout.splitlines() if line.startswith("  ") and "by phase" not in line]
     assert len(lines) == 3 * len(LAYOUTS), result.stdout
     assert len(re.findall(r"^  one client, by phase", result.stdout, re.M)) == len(LAYOUTS), result.stdout
+    assert len(re.findall(r"^  open loop, by phase \(medians", result.stdout, re.M)) == len(LAYOUTS), result.stdout
     for line in lines:
         served, sent = map(int, re.search(r": (\d+) of (\d+) requests", line).groups())
         assert served == sent > 0 and "; 0 errors" in line, line
