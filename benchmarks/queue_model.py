@@ -6,7 +6,9 @@ everything else is left out but one fixed delay per request. What it models:
 
 - The DiT's steps, one at a time, rows joining and leaving between steps (`JoinedRuns`): each
   step serves the waiting rows (oldest first, at most `--max-rows`), and costs the straight
-  line through the measured step at batch 1 and at batch 16.
+  line through the measured step at batch 1 and at batch 16. With `--steps-queued-ahead 1`,
+  as served, a step's rows are those waiting when the step before it began (the sampling
+  thread queues one step ahead), so a request that arrives waits for up to two steps to join.
 - The decoder's replays, one at a time: a request's first window as soon as its last step
   has run (first windows of several requests in one replay), the rest of its clip after.
 - How they share the GPU: the decoder's stream goes first (`decode first`, as served), each
@@ -57,6 +59,10 @@ class Costs:
     rest_of_clip_ms: float = 4.8  # 6.8 ms of decode a 10 s clip in all (r9), less its first window
     rest_per_replay: int = 4  # clips whose rest decodes in one replay
     fixed_ms: float = 10.0  # one client's first audio (24.5 ms, r9) less its GPU work
+    # 1: as served, each step's rows are fixed as the step before begins (the sampling thread
+    # queues one step ahead, STEPS_QUEUED_AHEAD), so a request that arrives waits for up to two
+    # steps to join; 0: it joins the next step.
+    steps_queued_ahead: int = 0
 
     def step_ms(self, rows: int) -> float:
         return self.step_1_ms + (self.step_16_ms - self.step_1_ms) * (rows - 1) / 15
@@ -94,6 +100,7 @@ def serve(costs: Costs, policy: str, arrivals: list[float] | None = None, client
     rests: list[_Row] = []
     step: _Work | None = None
     replay: _Work | None = None
+    next_rows: list[_Row] | None = None  # the next step's, once fixed (steps_queued_ahead)
     first_audio: list[float] = []
     finished: list[float] = []
     late = 0
@@ -102,8 +109,15 @@ def serve(costs: Costs, policy: str, arrivals: list[float] | None = None, client
             waiting.append(_Row(arrivals[next_arrival]))
             next_arrival += 1
         if step is None and waiting:
-            rows = sorted(waiting, key=lambda row: row.arrived)[: costs.max_rows]
+            rows = [row for row in next_rows or [] if row in waiting]  # less those that finished
+            if not rows:
+                rows = sorted(waiting, key=lambda row: row.arrived)[: costs.max_rows]
             step = _Work(costs.step_ms(len(rows)), rows)
+            next_rows = None
+            if costs.steps_queued_ahead:
+                going_on = [row for row in sorted(waiting, key=lambda row: row.arrived)
+                            if not (row in rows and row.steps + 1 == costs.steps)]
+                next_rows = going_on[: costs.max_rows]
         if replay is None and firsts:
             taken, firsts[:] = firsts[:], []
             replay = _Work(costs.first_window_ms + costs.first_window_more_ms * (len(taken) - 1), taken, "first")

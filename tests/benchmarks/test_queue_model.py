@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,16 @@ def test_when_later_windows_yield_a_rest_goes_once_its_audio_would_run_out_withi
     waited_until = a_first_tile + COSTS.first_window_audio_ms - YIELD_SLACK_S * 1e3
     assert waited_until < done[0] <= waited_until + COSTS.step_16_ms + COSTS.rest_of_clip_ms
     assert late == 0
+
+
+def test_with_a_step_queued_ahead_a_request_that_arrives_mid_step_joins_one_step_later():
+    """A alone at 0, B during A's second step: B joins A's third step, or its fourth when each
+    step's rows are fixed as the step before begins. Steps of 10 ms at any batch."""
+    costs = replace(COSTS, step_1_ms=10.0, step_16_ms=10.0, first_window_ms=1.0, rest_of_clip_ms=0.001,
+                    fixed_ms=0.0)
+    joins_next, _, _ = serve(costs, "decode first", arrivals=[0.0, 15.0])
+    queued_ahead, _, _ = serve(replace(costs, steps_queued_ahead=1), "decode first", arrivals=[0.0, 15.0])
+    assert joins_next[0] == queued_ahead[0] == pytest.approx(41.0)
+    # B's steps 3-6 end at 61.001 (A's first window and rest went ahead of its fifth), then its first window.
+    assert joins_next[1] == pytest.approx(62.001 - 15.0)
+    assert queued_ahead[1] == pytest.approx(joins_next[1] + 10.0)
