@@ -359,8 +359,8 @@ class PipelineSettings:
 
     # While the DiT holds requests, each stream's later windows wait for it a little
     # (scheduler.yields): a new request's steps then do not queue behind other clips' decoding
-    # (first windows never wait). Off by default: served with a slack that let a rest wait 20 ms,
-    # it raised the open loop's first-audio p99; at today's slack it is not measured served
+    # (first windows never wait). Off by default: served at today's slack it lowered the open
+    # loop's median first audio, not its p99, and streams underran at saturation
     # (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_yields_to_dit: bool = False
 
