@@ -20,10 +20,11 @@ venv: $(STAMP)
 
 # The client (its own distribution, client/) is installed after the package:
 # reinstalling an auk-triton that still carried the auk-client script removes it.
-$(STAMP): requirements.txt pyproject.toml client/pyproject.toml
+$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml client/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install $(TORCH_SPEC)
 	$(VPY) -m pip install -r requirements.txt
+	$(VPY) -m pip install --no-deps -r requirements-gpu.txt
 	$(VPY) -m pip install -e ".[test]"
 	$(VPY) -m pip install -e ./client
 	rm -f $(VENV)/.installed-*

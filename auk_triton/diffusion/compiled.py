@@ -85,7 +85,9 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
         try:
             # Imported here: their ops are registered before a saved trace that calls them is loaded.
             from . import adaln_kernel, norm_rope_kernel  # noqa: F401
+            from .padded_attention import cudnn_sdpa_registered
 
+            cudnn_sdpa_registered()  # the same for cuDNN's attention op, where the package is there
             double, single = run_double_block_kernels, run_single_block_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass

@@ -7,7 +7,9 @@ along the sequence. Compiled, Inductor fused these into kernels well below memor
 bandwidth (benchmarks/studies/dit-step-kernels.md). Here a program owns one token:
 it reads the token's q and k once, normalises and rotates every head in registers
 and writes them where the attention reads them, [B, N, H, Dh] (the joint sequence
-[first stream | second stream] in the double blocks, v copied there too).
+[first stream | second stream] in the double blocks, v copied there too). Given key slots
+(padded_attention.py), a token's k and v go to its slot instead, v copied in the single
+blocks too: a padded row's valid keys first, for cuDNN's padding mask.
 
 Numerics are the eager step's, `rotate(q_norm(q), cos, sin)`: the RMSNorm in fp32
 (x * rsqrt(mean(x^2) + eps) * weight), rounded once to the input's dtype as torch's
@@ -47,8 +49,10 @@ def _norm_rope_kernel(
     qw_a, kw_a, qw_c, kw_c,  # RMSNorm weights [DH]
     cos_a, sin_a, ra_row, ra_tok,  # rotary tables read as [rows or 1, Na, DH] through strides
     cos_c, sin_c, rc_row, rc_tok,
+    slots,  # int32 [B, N]: where each token's k and v go (KEYED), else unread
     n_first, n_tokens, eps_q, eps_k,
     H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, TWO: tl.constexpr, WITH_V: tl.constexpr,
+    KEYED: tl.constexpr,
 ):
     token = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -74,12 +78,15 @@ def _norm_rope_kernel(
     q = tl.load(src + offsets, mask=inside, other=0.0).to(tl.float32)
     k = tl.load(src + width + offsets, mask=inside, other=0.0).to(tl.float32)
     out = (row * n_tokens + token) * width + offsets
+    key_out = out
+    if KEYED:
+        key_out = (row * n_tokens + tl.load(slots + row * n_tokens + token)) * width + offsets
     q = _norm_rope(q, tl.load(q_weight + lanes).to(tl.float32), cos, sin, eps_q, HP, DH, norm_dtype)
     tl.store(q_out + out, q.to(q_out.dtype.element_ty), mask=inside)
     k = _norm_rope(k, tl.load(k_weight + lanes).to(tl.float32), cos, sin, eps_k, HP, DH, norm_dtype)
-    tl.store(k_out + out, k.to(k_out.dtype.element_ty), mask=inside)
+    tl.store(k_out + key_out, k.to(k_out.dtype.element_ty), mask=inside)
     if WITH_V:
-        tl.store(v_out + out, tl.load(src + 2 * width + offsets, mask=inside), mask=inside)
+        tl.store(v_out + key_out, tl.load(src + 2 * width + offsets, mask=inside), mask=inside)
 
 
 def _table_strides(table: torch.Tensor) -> tuple[int, int]:
@@ -87,8 +94,11 @@ def _table_strides(table: torch.Tensor) -> tuple[int, int]:
     return (0 if table.shape[0] == 1 else table.stride(0)), table.stride(1)
 
 
-def _launch(q, k, v, qkv_a, qkv_c, weights, rope_a, rope_c, eps_q, eps_k, heads):
+def _launch(q, k, v, qkv_a, qkv_c, weights, rope_a, rope_c, eps_q, eps_k, heads, slots=None):
     rows, n_first = qkv_a.shape[:2]
+    if slots is not None and (slots.dtype != torch.int32 or slots.shape != q.shape[:2] or not slots.is_contiguous()):
+        raise ValueError(f"key slots must be contiguous int32 {list(q.shape[:2])}, got {slots.dtype} "
+                         f"{list(slots.shape)}")
     for tensor in (qkv_a, qkv_c, *rope_a, *(rope_c or ())):
         if tensor is not None and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
             raise ValueError("the norm and RoPE kernel reads projections and rotary tables with unit last stride")
@@ -105,9 +115,10 @@ def _launch(q, k, v, qkv_a, qkv_c, weights, rope_a, rope_c, eps_q, eps_k, heads)
         qw_a, kw_a, qw_c, kw_c,
         rope_a[0], rope_a[1], *_table_strides(rope_a[0]),
         rope_second[0], rope_second[1], *_table_strides(rope_second[0]),
+        q if slots is None else slots,
         n_first, n_tokens, eps_q, eps_k,
         H=heads, HP=triton.next_power_of_2(heads), DH=dim_head, TWO=two, WITH_V=v is not None,
-        num_warps=4,
+        KEYED=slots is not None, num_warps=4,
     )
 
 
@@ -135,23 +146,42 @@ def _(qkv, q_weight, k_weight, cos, sin, eps_q, eps_k, heads):
     return q, k
 
 
+@torch.library.custom_op("auk::keyed_norm_rope_qkv", mutates_args=())
+def keyed_norm_rope_qkv(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    eps_q: float, eps_k: float, heads: int, key_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_rope_qk with each token's k and v written at its key slot (int32 [B, N]): (q, k, v),
+    each a new [B, N, H, Dh], q in the tokens' order."""
+    q, k, v = _outputs(qkv, qkv.shape[1], heads, with_v=True)
+    _launch(q, k, v, qkv, None, (q_weight, k_weight, q_weight, k_weight), (cos, sin), None, eps_q, eps_k, heads,
+            key_slots)
+    return q, k, v
+
+
+@keyed_norm_rope_qkv.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, eps_q, eps_k, heads, key_slots):
+    return _outputs(qkv, qkv.shape[1], heads, with_v=True)
+
+
 @torch.library.custom_op("auk::joint_norm_rope_qkv", mutates_args=())
 def joint_norm_rope_qkv(
     qkv_a: torch.Tensor, qkv_c: torch.Tensor,
     q_weight_a: torch.Tensor, k_weight_a: torch.Tensor, q_weight_c: torch.Tensor, k_weight_c: torch.Tensor,
     cos_a: torch.Tensor, sin_a: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor,
-    eps_q: float, eps_k: float, heads: int,
+    eps_q: float, eps_k: float, heads: int, key_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two streams joined along the sequence: (q, k, v), each a new [B, Na + Nc, H, Dh], the first
     stream's tokens first; q and k normalised and rotated with each stream's own weights and tables.
-    The two streams share eps (a block's norms are built alike)."""
+    The two streams share eps (a block's norms are built alike). With `key_slots` (int32
+    [B, Na + Nc]) each joint token's k and v go to its slot."""
     q, k, v = _outputs(qkv_a, qkv_a.shape[1] + qkv_c.shape[1], heads, with_v=True)
     _launch(q, k, v, qkv_a, qkv_c, (q_weight_a, k_weight_a, q_weight_c, k_weight_c),
-            (cos_a, sin_a), (cos_c, sin_c), eps_q, eps_k, heads)
+            (cos_a, sin_a), (cos_c, sin_c), eps_q, eps_k, heads, key_slots)
     return q, k, v
 
 
 @joint_norm_rope_qkv.register_fake
-def _(qkv_a, qkv_c, *weights_tables_and_scalars):
-    heads = weights_tables_and_scalars[-1]
+def _(qkv_a, qkv_c, q_weight_a, k_weight_a, q_weight_c, k_weight_c, cos_a, sin_a, cos_c, sin_c, eps_q, eps_k,
+      heads, key_slots=None):
     return _outputs(qkv_a, qkv_a.shape[1] + qkv_c.shape[1], heads, with_v=True)

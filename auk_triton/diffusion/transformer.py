@@ -270,6 +270,14 @@ def _norm_rope_kernel_fits(qkv: torch.Tensor, norm: nn.RMSNorm) -> bool:
     return qkv.is_cuda and width & (width - 1) == 0
 
 
+def _valid_keys_first(keys, qkv: torch.Tensor) -> bool:
+    """Whether a masked attention lays its valid keys first and masks through cuDNN's padding mask
+    (padded_attention.py): with a key layout, where the package serves this device."""
+    from . import padded_attention
+
+    return keys is not None and padded_attention.available(qkv.device)
+
+
 def _adaln_kernels_run(kernels: bool, x: torch.Tensor) -> bool:
     """Whether a block runs its norms, modulations and attention residual in adaln_kernel.py: with
     `kernels`, on a GPU."""
@@ -302,21 +310,29 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(dim_head)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x, rope, key_bias, mask, kernels: bool = False):
+    def forward(self, x, rope, key_bias, mask, kernels: bool = False, keys=None):
         """With `kernels` on a GPU the output's padded rows are left for the caller's residual
-        kernel to zero (adaln_kernel.py); otherwise they are zeroed here."""
+        kernel to zero (adaln_kernel.py); otherwise they are zeroed here. `keys`, a context's
+        key layout (padded_attention.key_layout), masks through cuDNN's padding mask instead of
+        `key_bias` where the kernels run and it is available (`_valid_keys_first`)."""
         qkv = self.to_qkv(x)
         if kernels and _norm_rope_kernel_fits(qkv, self.q_norm):
-            from .norm_rope_kernel import norm_rope_qk
+            from .norm_rope_kernel import keyed_norm_rope_qkv, norm_rope_qk
 
-            q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
-                                _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
-            v = _heads(qkv, self.heads)[2]
+            weights_and_eps = (self.q_norm.weight, self.k_norm.weight, *rope, _norm_eps(self.q_norm),
+                               _norm_eps(self.k_norm), self.heads)
+            if _valid_keys_first(keys, qkv):
+                from .padded_attention import attend_valid_keys
+
+                q, k, v = keyed_norm_rope_qkv(qkv, *weights_and_eps, keys[0])
+                attended = attend_valid_keys(q, k, v, keys[1], keys[2])
+            else:
+                q, k = norm_rope_qk(qkv, *weights_and_eps)
+                attended = _attend(q, k, _heads(qkv, self.heads)[2], key_bias)
         else:
             q, k, v = _heads(qkv, self.heads)
-            q = rotate(self.q_norm(q), *rope)
-            k = rotate(self.k_norm(k), *rope)
-        out = self.to_out[0](_attend(q, k, v, key_bias))
+            attended = _attend(rotate(self.q_norm(q), *rope), rotate(self.k_norm(k), *rope), v, key_bias)
+        out = self.to_out[0](attended)
         return out if _adaln_kernels_run(kernels, out) else _zero_padded_rows(out, mask)
 
 
@@ -333,14 +349,22 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head)
         self.to_out_c = nn.Linear(inner, dim)
 
-    def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, kernels: bool = False):
+    def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, kernels: bool = False, keys=None):
         qkv_a, qkv_c = self.to_qkv(a), self.to_qkv_c(c)
         if kernels and _norm_rope_kernel_fits(qkv_a, self.q_norm):
             from .norm_rope_kernel import joint_norm_rope_qkv
 
+            keyed = _valid_keys_first(keys, qkv_a)
             q, k, v = joint_norm_rope_qkv(qkv_a, qkv_c, self.q_norm.weight, self.k_norm.weight,
                                           self.c_q_norm.weight, self.c_k_norm.weight, *rope_a, *rope_c,
-                                          _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
+                                          _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads,
+                                          keys[0] if keyed else None)
+            if keyed:
+                from .padded_attention import attend_valid_keys
+
+                out = attend_valid_keys(q, k, v, keys[1], keys[2])
+            else:
+                out = _attend(q, k, v, key_bias)
         else:
             qa, ka, va = _heads(qkv_a, self.heads)
             qc, kc, vc = _heads(qkv_c, self.heads)
@@ -348,7 +372,7 @@ class JointAttention(Attention):
             q = torch.cat([rotate(self.q_norm(qa), *rope_a), rotate(self.c_q_norm(qc), *rope_c)], dim=1)
             k = torch.cat([rotate(self.k_norm(ka), *rope_a), rotate(self.c_k_norm(kc), *rope_c)], dim=1)
             v = torch.cat([va, vc], dim=1)
-        out = _attend(q, k, v, key_bias)
+            out = _attend(q, k, v, key_bias)
         na = a.shape[1]
         out_a, out_c = self.to_out[0](out[:, :na]), self.to_out_c(out[:, na:])
         if _adaln_kernels_run(kernels, out_a):
@@ -392,7 +416,7 @@ class DoubleStreamBlock(nn.Module):
         c_in = ln_modulate(c, c_scale, c_shift, self.attn_norm_c.norm.eps, dtype)
         a_in = ln_modulate(a, a_scale, a_shift, self.attn_norm_x.norm.eps, dtype)
         da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
-                           True)
+                           True, ctx.joint_keys)
         c_ff_in, c = residual_ln_modulate(c, dc, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
                                           self.ff_norm_c.eps, dtype)
         a_ff_in, a = residual_ln_modulate(a, da, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
@@ -423,7 +447,7 @@ class SingleStreamBlock(nn.Module):
         dtype = _activation_dtype(h)
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = AdaLayerNormZero.parts(mod)
         h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
-        y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True)
+        y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True, ctx.single_keys)
         ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp, self.ff_norm.eps, dtype)
         return h + gate_mlp * self.ff(ff_in)
 
@@ -521,6 +545,10 @@ class DiTContext:
     rope_single: tuple[torch.Tensor, torch.Tensor]
     # The run's modulation table (not a tensor of the step's own: a graph copies its row in).
     modulation: ModulationTable | None = None
+    # With masks, each attention's key layout for cuDNN's padding mask (padded_attention.key_layout
+    # over the joint and the single stream's keys): (key slots [B', K], valid keys [B'], queries [B']).
+    joint_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    single_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def head(self, rows: int) -> "DiTContext":
         """Views of the first `rows` model rows: a graph of fewer rows reads the front of the
@@ -533,6 +561,8 @@ class DiTContext:
             target_mask=None if self.target_mask is None else self.target_mask[: rows // self.copies],
             rope_audio=tuple(map(cut, self.rope_audio)), rope_text=tuple(map(cut, self.rope_text)),
             rope_single=tuple(map(cut, self.rope_single)),
+            joint_keys=None if self.joint_keys is None else tuple(map(cut, self.joint_keys)),
+            single_keys=None if self.single_keys is None else tuple(map(cut, self.single_keys)),
         )
 
 
@@ -553,6 +583,8 @@ class ContextMasks:
     rope_audio: tuple[torch.Tensor, torch.Tensor]
     rope_text: tuple[torch.Tensor, torch.Tensor]
     rope_single: tuple[torch.Tensor, torch.Tensor]
+    joint_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    single_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _repeat_rows(t: torch.Tensor | None, copies: int) -> torch.Tensor | None:
@@ -650,7 +682,8 @@ class AuKTransformer(nn.Module):
         return DiTContext(n=n, copies=masks.copies, c=c, prompt=prompt, target_mask=masks.target_mask,
                           c_mask=masks.c_mask, audio_mask=masks.audio_mask, single_mask=masks.single_mask,
                           joint_bias=masks.joint_bias, single_bias=masks.single_bias, rope_audio=masks.rope_audio,
-                          rope_text=masks.rope_text, rope_single=masks.rope_single)
+                          rope_text=masks.rope_text, rope_single=masks.rope_single,
+                          joint_keys=masks.joint_keys, single_keys=masks.single_keys)
 
     def context_masks(self, c_mask: torch.Tensor, n: int, np_: int = 0, *, ref_mask: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, cfg_infer: bool = False) -> "ContextMasks":
@@ -675,13 +708,17 @@ class AuKTransformer(nn.Module):
             audio_mask = torch.cat([ref_mask if ref_mask is not None else ones(np_),
                                     mask if mask is not None else ones(n)], dim=1)
         single_mask = None if audio_mask is None else torch.cat([c_mask, audio_mask], dim=1)
-        joint_bias = single_bias = None
+        joint_bias = single_bias = joint_keys = single_keys = None
         if self.attn_mask_enabled and audio_mask is not None:
+            from .padded_attention import key_layout
+
             # In the dtype the attention will see: autocast's where prepare runs under it, as the steps do.
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                      else self.proj_out.weight.dtype)
-            joint_bias = key_bias(torch.cat([audio_mask, c_mask], dim=1), dtype)
-            single_bias = key_bias(single_mask, dtype)
+            joint_valid = torch.cat([audio_mask, c_mask], dim=1)
+            joint_bias, single_bias = key_bias(joint_valid, dtype), key_bias(single_mask, dtype)
+            joint_keys = tuple(_repeat_rows(t, copies) for t in key_layout(joint_valid))
+            single_keys = tuple(_repeat_rows(t, copies) for t in key_layout(single_mask))
 
         rope = self.rotary_embed.tables
         nt = c_mask.shape[1]
@@ -697,6 +734,8 @@ class AuKTransformer(nn.Module):
             rope_audio=_rope_for_heads(rope(np_ + n, audio_mask, device), copies),
             rope_text=_rope_for_heads(rope(nt, c_mask, device), copies),
             rope_single=_rope_for_heads(rope(nt + np_ + n, single_mask, device), copies),
+            joint_keys=joint_keys,
+            single_keys=single_keys,
         )
 
     # ---- modulation: a function of the time alone

@@ -55,8 +55,10 @@ def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0
             "shapes_match": got_in.shape == want_in.shape and got_ff.shape == got_h.shape == h.shape}
 
 
-def compare_blocks(device, dtype) -> dict:
-    """The small preset's blocks through the kernels' path against their eager path: a padded batch."""
+def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
+    """The small preset's blocks through the kernels' path against their eager path: a padded batch.
+    `valid_keys_first`: the attentions lay each row's valid keys first (padded_attention.py), as a
+    GPU with the cudnn package does."""
     torch.manual_seed(0)
     model = transformer.AuKTransformer(latent_dim=64, **PRESETS["small"]).to(device, dtype).eval()
     rows, frames, tokens = 2, 12, 6
@@ -72,8 +74,15 @@ def compare_blocks(device, dtype) -> dict:
         eager = model.velocity(x, mod, ctx)
         kernels = transformer.BlockRunners(double=transformer.run_double_block_kernels,
                                            single=transformer.run_single_block_kernels)
-        got = model.velocity(x, mod, ctx, kernels)
-    return {"id": "blocks", "rel_l2": _rel(got, eager), "finite": bool(torch.isfinite(got).all())}
+        layout = transformer._valid_keys_first
+        if valid_keys_first:
+            transformer._valid_keys_first = lambda keys, qkv: keys is not None
+        try:
+            got = model.velocity(x, mod, ctx, kernels)
+        finally:
+            transformer._valid_keys_first = layout
+    return {"id": f"blocks, valid keys first: {valid_keys_first}", "rel_l2": _rel(got, eager),
+            "finite": bool(torch.isfinite(got).all())}
 
 
 def _interpreter_main() -> int:
@@ -82,12 +91,13 @@ def _interpreter_main() -> int:
     transformer._norm_rope_kernel_fits = lambda qkv, norm: True
     return run_checks([lambda: compare_ops(2, 5, 64, "cpu", torch.float32),
                        lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
-                       lambda: compare_blocks("cpu", torch.float32)])
+                       lambda: compare_blocks("cpu", torch.float32),
+                       lambda: compare_blocks("cpu", torch.float32, valid_keys_first=True)])
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return interpreter_run(__file__, count=3)
+    return interpreter_run(__file__, count=4)
 
 
 def test_the_kernels_normalise_modulate_and_add_the_gated_residual_as_eager_does_in_fp32(interpreter_results):
@@ -98,6 +108,12 @@ def test_the_kernels_normalise_modulate_and_add_the_gated_residual_as_eager_does
 
 def test_the_blocks_through_the_kernels_give_the_eager_blocks_velocity(interpreter_results):
     result = interpreter_results[2]
+    assert "error" not in result, result
+    assert result["finite"] and result["rel_l2"] <= FP32_TOLERANCE, result
+
+
+def test_the_blocks_attending_to_valid_keys_laid_first_give_the_eager_blocks_velocity(interpreter_results):
+    result = interpreter_results[3]
     assert "error" not in result, result
     assert result["finite"] and result["rel_l2"] <= FP32_TOLERANCE, result
 

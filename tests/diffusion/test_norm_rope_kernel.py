@@ -89,6 +89,34 @@ def kernel_single(single, qkv, rope):
                         _norm_eps(single.k_norm), single.heads)
 
 
+def keyed_matches(rows, n_audio, n_text, heads, dim_head, device, dtype) -> dict:
+    """The kernels given key slots against the same kernels without: q where it was, k and v moved
+    to their slots, bit for bit."""
+    from auk_triton.diffusion.norm_rope_kernel import joint_norm_rope_qkv, keyed_norm_rope_qkv
+    from auk_triton.diffusion.padded_attention import key_slots
+
+    joint, single, qkv_a, qkv_c, rope_a, rope_c = _case(rows, n_audio, n_text, heads, dim_head, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    valid = torch.rand(rows, n_audio + n_text, generator=g) < 0.6
+    slots = key_slots(valid).to(device)
+    moved = lambda t, s: torch.empty_like(t).scatter_(  # noqa: E731
+        1, s.long()[:, :, None, None].expand_as(t), t)
+    with torch.inference_mode():
+        q, k, v = kernel_joint(joint, qkv_a, qkv_c, rope_a, rope_c)
+        kq, kk, kv = joint_norm_rope_qkv(qkv_a, qkv_c, joint.q_norm.weight, joint.k_norm.weight,
+                                         joint.c_q_norm.weight, joint.c_k_norm.weight, *rope_a, *rope_c,
+                                         _norm_eps(joint.q_norm), _norm_eps(joint.k_norm), joint.heads, slots)
+        sq, sk = kernel_single(single, qkv_a, rope_a)
+        single_slots = slots[:, :n_audio].argsort(dim=1).argsort(dim=1).to(torch.int32)  # any permutation
+        ksq, ksk, ksv = keyed_norm_rope_qkv(qkv_a, single.q_norm.weight, single.k_norm.weight, *rope_a,
+                                            _norm_eps(single.q_norm), _norm_eps(single.k_norm), single.heads,
+                                            single_slots)
+    return {"id": "keyed", "joint": torch.equal(kq, q) and torch.equal(kk, moved(k, slots))
+            and torch.equal(kv, moved(v, slots)),
+            "single": torch.equal(ksq, sq) and torch.equal(ksk, moved(sk, single_slots))
+            and torch.equal(ksv, moved(_heads(qkv_a, single.heads)[2], single_slots))}
+
+
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -118,19 +146,33 @@ INTERPRETER_CASES = ((2, 5, 3, 3, 8), (1, 4, 2, 2, 16))  # rows, audio tokens, t
 
 
 def _interpreter_main() -> int:
-    return run_checks([lambda case=case: compare(*case, "cpu", torch.float32) for case in INTERPRETER_CASES])
+    return run_checks([lambda case=case: compare(*case, "cpu", torch.float32) for case in INTERPRETER_CASES]
+                      + [lambda: keyed_matches(*INTERPRETER_CASES[0], "cpu", torch.float32)])
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return interpreter_run(__file__, count=len(INTERPRETER_CASES), timeout_s=600)
+    return interpreter_run(__file__, count=len(INTERPRETER_CASES) + 1, timeout_s=600)
 
 
 def test_the_kernel_normalises_rotates_and_joins_as_the_eager_ops_do_in_fp32(interpreter_results):
-    for result in interpreter_results:
+    for result in interpreter_results[:len(INTERPRETER_CASES)]:
         assert "error" not in result, result
         assert result["shapes_match"] and result["v_exact"], result
         assert result["rel_l2"] <= FP32_TOLERANCE, result
+
+
+def test_given_key_slots_the_kernel_writes_k_and_v_at_them_and_q_where_it_was(interpreter_results):
+    result = interpreter_results[-1]
+    assert "error" not in result, result
+    assert result["joint"] and result["single"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_given_key_slots_the_kernel_writes_k_and_v_at_them_on_a_gpu():
+    result = keyed_matches(4, 512, 64, 24, 64, "cuda", torch.bfloat16)
+    assert result["joint"] and result["single"], result
 
 
 @pytest.mark.gpu
