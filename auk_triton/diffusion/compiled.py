@@ -80,7 +80,7 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
-    double, single = run_double_block, run_single_block
+    double, single, valid_first = run_double_block, run_single_block, False
     if options.block_kernels:
         try:
             # Imported here: their ops are registered before a saved trace that calls them is loaded.
@@ -88,7 +88,7 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
             from .padded_attention import cudnn_sdpa_registered
 
             cudnn_sdpa_registered()  # the same for cuDNN's attention op, where the package is there
-            double, single = run_double_block_kernels, run_single_block_kernels
+            double, single, valid_first = run_double_block_kernels, run_single_block_kernels, True
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
     functions = dict(double=double, single=single)
@@ -96,8 +96,10 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
         functions.update(audio_embedding=run_audio_embedding, output=run_output)
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
-        return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()})
-    return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()})
+        return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()},
+                            valid_first=valid_first)
+    return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()},
+                        valid_first=valid_first)
 
 
 def traces_note(blocks: BlockRunners) -> str | None:

@@ -7,9 +7,9 @@ along the sequence. Compiled, Inductor fused these into kernels well below memor
 bandwidth (benchmarks/studies/dit-step-kernels.md). Here a program owns one token:
 it reads the token's q and k once, normalises and rotates every head in registers
 and writes them where the attention reads them, [B, N, H, Dh] (the joint sequence
-[first stream | second stream] in the double blocks, v copied there too). Given key slots
-(padded_attention.py), a token's k and v go to its slot instead, v copied in the single
-blocks too: a padded row's valid keys first, for cuDNN's padding mask.
+[first stream | second stream] in the double blocks, v copied there too). There, given key
+slots (padded_attention.py), a token's k and v go to its slot instead: a padded row's valid
+keys first, for cuDNN's padding mask.
 
 Numerics are the eager step's, `rotate(q_norm(q), cos, sin)`: the RMSNorm in fp32
 (x * rsqrt(mean(x^2) + eps) * weight), rounded once to the input's dtype as torch's
@@ -144,24 +144,6 @@ def norm_rope_qk(
 def _(qkv, q_weight, k_weight, cos, sin, eps_q, eps_k, heads):
     q, k, _ = _outputs(qkv, qkv.shape[1], heads, with_v=False)
     return q, k
-
-
-@torch.library.custom_op("auk::keyed_norm_rope_qkv", mutates_args=())
-def keyed_norm_rope_qkv(
-    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    eps_q: float, eps_k: float, heads: int, key_slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """norm_rope_qk with each token's k and v written at its key slot (int32 [B, N]): (q, k, v),
-    each a new [B, N, H, Dh], q in the tokens' order."""
-    q, k, v = _outputs(qkv, qkv.shape[1], heads, with_v=True)
-    _launch(q, k, v, qkv, None, (q_weight, k_weight, q_weight, k_weight), (cos, sin), None, eps_q, eps_k, heads,
-            key_slots)
-    return q, k, v
-
-
-@keyed_norm_rope_qkv.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, eps_q, eps_k, heads, key_slots):
-    return _outputs(qkv, qkv.shape[1], heads, with_v=True)
 
 
 @torch.library.custom_op("auk::joint_norm_rope_qkv", mutates_args=())

@@ -6,12 +6,17 @@ padding mask (a key count per row, applied inside the kernel) runs as fast as no
 it masks the end of each row's keys, and ours lie between segments: [audio | text] in the
 double blocks, [text | reference | target] in the single ones.
 
-So the step writes each row's keys and values in the order `key_slots` gives them, the valid
-ones first in their own order, the padded ones after, while the queries keep theirs. Attention
+So each row's valid keys are laid first, in their own order, the padded ones after. Attention
 sums over its keys in any order: the output is the masked attention's, to the rounding of
-another summation order. The q/k norm and RoPE kernel writes k and v where their slots say
-(norm_rope_kernel.py), so the order costs a copy of v in the single blocks and nothing in the
-double blocks, whose v the kernel copies already.
+another summation order.
+
+- The double blocks: the q/k norm and RoPE kernel, which copies v already, writes each
+  token's k and v at the slot `key_slots` gives it (norm_rope_kernel.py); the queries keep
+  their order, so the blocks' outputs do too.
+- The single blocks: the whole stream is laid out so (`ValidFirst`), gathered once as the
+  double blocks' two streams are joined, its target gathered back before the output. Every
+  other op of a single block works token by token, so in that layout the blocks' v needs
+  no copy, and the valid tokens' squeezed rotary positions are their places: 0, 1, 2...
 
 cuDNN's padding mask is reached through the `cudnn` package (NVIDIA's cuDNN frontend), whose
 op is traced by torch.compile and captured in CUDA graphs, and whose plans are built on the
@@ -20,6 +25,8 @@ with a bias made from the counts: the same result, used by the CPU tests.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,35 @@ def key_layout(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     rows, keys = valid.shape
     return (key_slots(valid), valid.sum(dim=1, dtype=torch.int32),
             torch.full((rows,), keys, dtype=torch.int32, device=valid.device))
+
+
+class ValidFirst(NamedTuple):
+    """A padded single stream laid out with each row's valid tokens first (`valid_first`)."""
+
+    order: torch.Tensor  # int64 [B, L]: the token at each place, by its place in the stream's own order
+    target: torch.Tensor  # int64 [B, n]: the places of the target's tokens (the stream's last n)
+    mask: torch.Tensor  # bool [B, L]: each row's first `counts` places
+    counts: torch.Tensor  # int32 [B]: valid tokens, the keys cuDNN attends to
+    queries: torch.Tensor  # int32 [B]: L, every place
+    cos: torch.Tensor  # [1, L, 1, Dh] rotary tables of positions 0..L-1
+    sin: torch.Tensor
+
+
+def valid_first(valid: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]) -> ValidFirst:
+    """The layout of a stream whose valid tokens are `valid` (bool [B, L]) and whose last n tokens
+    are the target; `rope`, the unmasked rotary tables of L tokens ([1, L, 1, Dh])."""
+    rows, length = valid.shape
+    slots = key_slots(valid).long()
+    places = torch.arange(length, device=valid.device)
+    order = torch.empty_like(slots).scatter_(1, slots, places.expand(rows, length))
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    queries = torch.full((rows,), length, dtype=torch.int32, device=valid.device)
+    return ValidFirst(order, slots[:, length - n:].contiguous(), places < counts[:, None], counts, queries, *rope)
+
+
+def gather_tokens(x: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """x [B, L, D] -> [B, places' length, D]: row b's tokens at places[b] (int64)."""
+    return x.gather(1, places[..., None].expand(-1, -1, x.shape[-1]))
 
 
 _registered: bool | None = None  # whether torch.ops.cudnn.sdpa_fwd is there; None: not looked yet
@@ -68,8 +104,9 @@ def available(device: torch.device) -> bool:
 
 def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,
                       queries: torch.Tensor) -> torch.Tensor:
-    """q [B, N, H, Dh]; k, v [B, N, H, Dh] with row b's valid keys at its first counts[b] places;
-    queries [B], all N -> [B, N, H * Dh], attending to those keys alone (scale 1/sqrt(Dh))."""
+    """q [B, N, H, Dh]; k, v [B, N, H, Dh] with row b's valid keys at its first counts[b] places
+    (int32 [B]); queries int32 [B], all N -> [B, N, H * Dh], attending to those keys alone (scale
+    1/sqrt(Dh))."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if q.is_cuda and cudnn_sdpa_registered():
         out, _ = torch.ops.cudnn.sdpa_fwd(qt, kt, vt, q.shape[-1] ** -0.5, seq_len_q=queries, seq_len_kv=counts,

@@ -70,8 +70,9 @@ def _own_buffers(ctx: DiTContext) -> DiTContext:
         value = getattr(ctx, entry.name)
         if isinstance(value, torch.Tensor):
             changes[entry.name] = value.clone()
-        elif isinstance(value, tuple):
-            changes[entry.name] = tuple(t.clone() for t in value)
+        elif isinstance(value, tuple):  # a plain tuple or a NamedTuple (padded_attention.ValidFirst)
+            clones = [t.clone() for t in value]
+            changes[entry.name] = type(value)(*clones) if hasattr(value, "_fields") else tuple(clones)
     return replace(ctx, **changes)
 
 

@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import padded_attention
+from .padded_attention import ValidFirst, attend_valid_keys, gather_tokens, key_layout, valid_first
+
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "auk.safetensors"
@@ -270,12 +273,11 @@ def _norm_rope_kernel_fits(qkv: torch.Tensor, norm: nn.RMSNorm) -> bool:
     return qkv.is_cuda and width & (width - 1) == 0
 
 
-def _valid_keys_first(keys, qkv: torch.Tensor) -> bool:
-    """Whether a masked attention lays its valid keys first and masks through cuDNN's padding mask
-    (padded_attention.py): with a key layout, where the package serves this device."""
-    from . import padded_attention
-
-    return keys is not None and padded_attention.available(qkv.device)
+def _valid_keys_first(layout, x: torch.Tensor) -> bool:
+    """Whether the kernels' path lays a masked attention's valid keys first and masks through
+    cuDNN's padding mask (padded_attention.py): with a layout for them in the context, where the
+    package serves this device."""
+    return layout is not None and padded_attention.available(x.device)
 
 
 def _adaln_kernels_run(kernels: bool, x: torch.Tensor) -> bool:
@@ -310,25 +312,22 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(dim_head)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x, rope, key_bias, mask, kernels: bool = False, keys=None):
+    def forward(self, x, rope, key_bias, mask, kernels: bool = False, valid_first=None):
         """With `kernels` on a GPU the output's padded rows are left for the caller's residual
-        kernel to zero (adaln_kernel.py); otherwise they are zeroed here. `keys`, a context's
-        key layout (padded_attention.key_layout), masks through cuDNN's padding mask instead of
-        `key_bias` where the kernels run and it is available (`_valid_keys_first`)."""
+        kernel to zero (adaln_kernel.py); otherwise they are zeroed here. With the kernels,
+        `valid_first` (a stream laid out with its valid tokens first: padded_attention.py) masks
+        through cuDNN's padding mask instead of `key_bias`."""
         qkv = self.to_qkv(x)
         if kernels and _norm_rope_kernel_fits(qkv, self.q_norm):
-            from .norm_rope_kernel import keyed_norm_rope_qkv, norm_rope_qk
+            from .norm_rope_kernel import norm_rope_qk
 
-            weights_and_eps = (self.q_norm.weight, self.k_norm.weight, *rope, _norm_eps(self.q_norm),
-                               _norm_eps(self.k_norm), self.heads)
-            if _valid_keys_first(keys, qkv):
-                from .padded_attention import attend_valid_keys
-
-                q, k, v = keyed_norm_rope_qkv(qkv, *weights_and_eps, keys[0])
-                attended = attend_valid_keys(q, k, v, keys[1], keys[2])
+            q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
+                                _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
+            v = _heads(qkv, self.heads)[2]
+            if valid_first is not None:
+                attended = attend_valid_keys(q, k, v, valid_first.counts, valid_first.queries)
             else:
-                q, k = norm_rope_qk(qkv, *weights_and_eps)
-                attended = _attend(q, k, _heads(qkv, self.heads)[2], key_bias)
+                attended = _attend(q, k, v, key_bias)
         else:
             q, k, v = _heads(qkv, self.heads)
             attended = _attend(rotate(self.q_norm(q), *rope), rotate(self.k_norm(k), *rope), v, key_bias)
@@ -354,14 +353,12 @@ class JointAttention(Attention):
         if kernels and _norm_rope_kernel_fits(qkv_a, self.q_norm):
             from .norm_rope_kernel import joint_norm_rope_qkv
 
-            keyed = _valid_keys_first(keys, qkv_a)
+            keyed = _valid_keys_first(keys, qkv_a)  # keys: the context's joint_keys
             q, k, v = joint_norm_rope_qkv(qkv_a, qkv_c, self.q_norm.weight, self.k_norm.weight,
                                           self.c_q_norm.weight, self.c_k_norm.weight, *rope_a, *rope_c,
                                           _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads,
                                           keys[0] if keyed else None)
             if keyed:
-                from .padded_attention import attend_valid_keys
-
                 out = attend_valid_keys(q, k, v, keys[1], keys[2])
             else:
                 out = _attend(q, k, v, key_bias)
@@ -447,7 +444,8 @@ class SingleStreamBlock(nn.Module):
         dtype = _activation_dtype(h)
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = AdaLayerNormZero.parts(mod)
         h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
-        y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True, ctx.single_keys)
+        # With it, the stream comes laid out with its valid tokens first (AuKTransformer.velocity).
+        y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True, ctx.single_valid_first)
         ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp, self.ff_norm.eps, dtype)
         return h + gate_mlp * self.ff(ff_in)
 
@@ -484,12 +482,14 @@ def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int)
 class BlockRunners:
     """How `velocity` calls its blocks and the parts around them: as they are, or compiled (see
     compiled.py). Every block of a kind runs through the same function, so one compilation
-    serves all of them."""
+    serves all of them. `valid_first`: the single blocks run the kernels' path, which takes a
+    padded stream laid out with its valid tokens first (padded_attention.py) where it can."""
 
     double: Callable = run_double_block
     single: Callable = run_single_block
     audio_embedding: Callable = run_audio_embedding
     output: Callable = run_output
+    valid_first: bool = False
 
 
 EAGER_BLOCKS = BlockRunners()
@@ -545,10 +545,11 @@ class DiTContext:
     rope_single: tuple[torch.Tensor, torch.Tensor]
     # The run's modulation table (not a tensor of the step's own: a graph copies its row in).
     modulation: ModulationTable | None = None
-    # With masks, each attention's key layout for cuDNN's padding mask (padded_attention.key_layout
-    # over the joint and the single stream's keys): (key slots [B', K], valid keys [B'], queries [B']).
+    # With masks, for cuDNN's padding mask (padded_attention.py): the joint attention's key layout
+    # (key_layout: key slots [B', K], valid keys [B'], queries [B']), and the single stream laid
+    # out with its valid tokens first (valid_first).
     joint_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    single_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    single_valid_first: ValidFirst | None = None
 
     def head(self, rows: int) -> "DiTContext":
         """Views of the first `rows` model rows: a graph of fewer rows reads the front of the
@@ -562,7 +563,8 @@ class DiTContext:
             rope_audio=tuple(map(cut, self.rope_audio)), rope_text=tuple(map(cut, self.rope_text)),
             rope_single=tuple(map(cut, self.rope_single)),
             joint_keys=None if self.joint_keys is None else tuple(map(cut, self.joint_keys)),
-            single_keys=None if self.single_keys is None else tuple(map(cut, self.single_keys)),
+            single_valid_first=(None if self.single_valid_first is None
+                                else ValidFirst(*map(cut, self.single_valid_first))),
         )
 
 
@@ -584,7 +586,7 @@ class ContextMasks:
     rope_text: tuple[torch.Tensor, torch.Tensor]
     rope_single: tuple[torch.Tensor, torch.Tensor]
     joint_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    single_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    single_valid_first: ValidFirst | None = None
 
 
 def _repeat_rows(t: torch.Tensor | None, copies: int) -> torch.Tensor | None:
@@ -683,7 +685,7 @@ class AuKTransformer(nn.Module):
                           c_mask=masks.c_mask, audio_mask=masks.audio_mask, single_mask=masks.single_mask,
                           joint_bias=masks.joint_bias, single_bias=masks.single_bias, rope_audio=masks.rope_audio,
                           rope_text=masks.rope_text, rope_single=masks.rope_single,
-                          joint_keys=masks.joint_keys, single_keys=masks.single_keys)
+                          joint_keys=masks.joint_keys, single_valid_first=masks.single_valid_first)
 
     def context_masks(self, c_mask: torch.Tensor, n: int, np_: int = 0, *, ref_mask: torch.Tensor | None = None,
                       mask: torch.Tensor | None = None, cfg_infer: bool = False) -> "ContextMasks":
@@ -708,9 +710,10 @@ class AuKTransformer(nn.Module):
             audio_mask = torch.cat([ref_mask if ref_mask is not None else ones(np_),
                                     mask if mask is not None else ones(n)], dim=1)
         single_mask = None if audio_mask is None else torch.cat([c_mask, audio_mask], dim=1)
-        joint_bias = single_bias = joint_keys = single_keys = None
+        rope = self.rotary_embed.tables
+        nt = c_mask.shape[1]
+        joint_bias = single_bias = joint_keys = single_valid_first = None
         if self.attn_mask_enabled and audio_mask is not None:
-            from .padded_attention import key_layout
 
             # In the dtype the attention will see: autocast's where prepare runs under it, as the steps do.
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
@@ -718,10 +721,8 @@ class AuKTransformer(nn.Module):
             joint_valid = torch.cat([audio_mask, c_mask], dim=1)
             joint_bias, single_bias = key_bias(joint_valid, dtype), key_bias(single_mask, dtype)
             joint_keys = tuple(_repeat_rows(t, copies) for t in key_layout(joint_valid))
-            single_keys = tuple(_repeat_rows(t, copies) for t in key_layout(single_mask))
-
-        rope = self.rotary_embed.tables
-        nt = c_mask.shape[1]
+            first = valid_first(single_mask, n, _rope_for_heads(rope(nt + np_ + n, None, device), 1))
+            single_valid_first = ValidFirst(*(_repeat_rows(t, copies) for t in first[:-2]), *first[-2:])
         return ContextMasks(
             copies=copies,
             ref_mask=ref_mask,
@@ -735,7 +736,7 @@ class AuKTransformer(nn.Module):
             rope_text=_rope_for_heads(rope(nt, c_mask, device), copies),
             rope_single=_rope_for_heads(rope(nt + np_ + n, single_mask, device), copies),
             joint_keys=joint_keys,
-            single_keys=single_keys,
+            single_valid_first=single_valid_first,
         )
 
     # ---- modulation: a function of the time alone
@@ -800,8 +801,17 @@ class AuKTransformer(nn.Module):
         for block in self.transformer_blocks:
             a, c = blocks.double(block, a, c, next(mods), next(mods), ctx)
         h = torch.cat([c, a], dim=1)
+        first = ctx.single_valid_first
+        if first is not None and blocks.valid_first and _valid_keys_first(first, h):
+            # The single blocks' stream laid out with its valid tokens first (padded_attention.py).
+            h = gather_tokens(h, first.order)
+            ctx = replace(ctx, rope_single=(first.cos, first.sin), single_mask=first.mask, single_bias=None)
+        elif first is not None:
+            ctx = replace(ctx, single_valid_first=None)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
+        if ctx.single_valid_first is not None:
+            h = gather_tokens(h, first.target)
         return blocks.output(self.norm_out, self.proj_out, h, next(mods), n)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:

@@ -57,8 +57,8 @@ def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0
 
 def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
     """The small preset's blocks through the kernels' path against their eager path: a padded batch.
-    `valid_keys_first`: the attentions lay each row's valid keys first (padded_attention.py), as a
-    GPU with the cudnn package does."""
+    `valid_keys_first`: the attentions lay each row's valid keys first, the single blocks' whole
+    stream so (padded_attention.py), as a GPU with the cudnn package does."""
     torch.manual_seed(0)
     model = transformer.AuKTransformer(latent_dim=64, **PRESETS["small"]).to(device, dtype).eval()
     rows, frames, tokens = 2, 12, 6
@@ -73,7 +73,7 @@ def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
         mod = model.modulation_at(torch.tensor(0.4))
         eager = model.velocity(x, mod, ctx)
         kernels = transformer.BlockRunners(double=transformer.run_double_block_kernels,
-                                           single=transformer.run_single_block_kernels)
+                                           single=transformer.run_single_block_kernels, valid_first=True)
         layout = transformer._valid_keys_first
         if valid_keys_first:
             transformer._valid_keys_first = lambda keys, qkv: keys is not None

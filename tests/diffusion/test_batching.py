@@ -125,7 +125,7 @@ def test_runs_gather_the_requests_of_one_key_in_order_up_to_the_row_limit():
 
 def _context_tensors(ctx):
     fields = ("target_mask", "c_mask", "audio_mask", "single_mask", "joint_bias", "single_bias")
-    tables = ("rope_audio", "rope_text", "rope_single", "joint_keys", "single_keys")
+    tables = ("rope_audio", "rope_text", "rope_single", "joint_keys", "single_valid_first")
     return [getattr(ctx, f) for f in fields] + [t for f in tables for t in getattr(ctx, f) or (None,)]
 
 

@@ -70,7 +70,7 @@ def test_attention_over_keys_moved_to_their_slots_is_the_masked_attention_over_k
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_padded_context_carries_each_attentions_key_layout_and_an_unpadded_one_none():
+def test_a_padded_context_carries_the_joint_key_layout_and_the_single_stream_laid_valid_first():
     torch.manual_seed(0)
     model = AuKTransformer(latent_dim=64, **PRESETS["small"]).eval()
     text, ref = torch.randn(1, 4, 2048), torch.randn(1, 3, 64)
@@ -78,16 +78,24 @@ def test_a_padded_context_carries_each_attentions_key_layout_and_an_unpadded_one
     c_mask = torch.tensor([[True] * 3 + [False]])
     with torch.no_grad():
         ctx = model.prepare(text, 7, ref=ref, mask=mask, c_mask=c_mask, cfg_infer=True)
-        assert model.prepare(text, 7).joint_keys is None and model.prepare(text, 7).single_keys is None
+        unpadded = model.prepare(text, 7)
+    assert unpadded.joint_keys is None and unpadded.single_valid_first is None
     slots, counts, queries = ctx.joint_keys
     # [audio | text] = [ref 3, target 5 + 2 padded | text 3 + 1 padded]: valid keys first.
     assert slots.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 8, 9, 10, 13]] * 2  # CFG: both rows alike
     assert counts.tolist() == [11, 11] and queries.tolist() == [14, 14]
-    slots, counts, _ = ctx.single_keys
-    # [text | ref | target]
-    assert slots[1].tolist() == [0, 1, 2, 11, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13] and counts.tolist() == [11, 11]
+    # The single stream [text 3 + 1 | ref 3 | target 5 + 2], its valid tokens first.
+    first = ctx.single_valid_first
+    assert first.order[1].tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 3, 12, 13]
+    assert first.target[0].tolist() == [6, 7, 8, 9, 10, 12, 13]  # where the target's 7 tokens went
+    assert first.mask[0].tolist() == [True] * 11 + [False] * 3 and first.counts.tolist() == [11, 11]
+    # Valid tokens at their squeezed rotary positions: place p is position p.
+    cos, sin = ctx.rope_single
+    placed = cos[0, first.order[0], 0]
+    assert torch.equal(placed[:11], first.cos[0, :11, 0]) and first.cos.shape == (1, 14, 1, cos.shape[-1])
     half = ctx.head(1)  # a graph of fewer rows reads the front of the buffers
-    assert all(t.shape[0] == 1 for t in (*half.joint_keys, *half.single_keys))
+    assert all(t.shape[0] == 1 for t in (*half.joint_keys, *half.single_valid_first))
+    assert type(half.single_valid_first) is type(first)
 
 
 def test_without_the_cudnn_package_or_off_a_gpu_the_key_bias_serves_the_attention():
