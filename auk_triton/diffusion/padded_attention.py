@@ -102,6 +102,13 @@ def available(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and cudnn_sdpa_registered()
 
 
+def masked_attention(device: torch.device) -> str:
+    """How the compiled step masks a padded run's attention on `device`, for the log."""
+    if available(device):
+        return "cuDNN's padding mask, each row's valid keys first"
+    return "additive key biases (for cuDNN's padding mask, install requirements-gpu.txt)"
+
+
 def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,
                       queries: torch.Tensor) -> torch.Tensor:
     """q [B, N, H, Dh]; k, v [B, N, H, Dh] with row b's valid keys at its first counts[b] places

@@ -49,6 +49,7 @@ from auk_triton.cuda_graph import BuildReport
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 from auk_triton.diffusion.compiled import INDUCTOR_OPTIONS, traces_note
 from auk_triton.diffusion.joined import JoinedRuns
+from auk_triton.diffusion.padded_attention import masked_attention
 
 from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_blocks_dir, use_artifacts
@@ -156,6 +157,8 @@ class TritonPythonModel:
         traces = traces_note(graphs.blocks)
         if traces:
             log("info", f"{self.name}: compiled blocks: {traces}")
+        if graphs.blocks.valid_first:
+            log("info", f"{self.name}: padded runs' attention: {masked_attention(self.device)}")
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
             f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}{later}")
