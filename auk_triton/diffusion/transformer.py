@@ -314,9 +314,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, key_bias, mask, kernels: bool = False, valid_first=None):
         """With `kernels` on a GPU the output's padded rows are left for the caller's residual
-        kernel to zero (adaln_kernel.py); otherwise they are zeroed here. With the kernels,
-        `valid_first` (a stream laid out with its valid tokens first: padded_attention.py) masks
-        through cuDNN's padding mask instead of `key_bias`."""
+        kernel to zero (adaln_kernel.py); otherwise they are zeroed here. `valid_first` (the
+        kernels' path: a stream laid out with its valid tokens first, padded_attention.py)
+        masks through cuDNN's padding mask instead of `key_bias`."""
         qkv = self.to_qkv(x)
         if kernels and _norm_rope_kernel_fits(qkv, self.q_norm):
             from .norm_rope_kernel import norm_rope_qk
@@ -324,13 +324,13 @@ class Attention(nn.Module):
             q, k = norm_rope_qk(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                 _norm_eps(self.q_norm), _norm_eps(self.k_norm), self.heads)
             v = _heads(qkv, self.heads)[2]
-            if valid_first is not None:
-                attended = attend_valid_keys(q, k, v, valid_first.counts, valid_first.queries)
-            else:
-                attended = _attend(q, k, v, key_bias)
         else:
             q, k, v = _heads(qkv, self.heads)
-            attended = _attend(rotate(self.q_norm(q), *rope), rotate(self.k_norm(k), *rope), v, key_bias)
+            q, k = rotate(self.q_norm(q), *rope), rotate(self.k_norm(k), *rope)
+        if valid_first is not None:
+            attended = attend_valid_keys(q, k, v, valid_first.counts, valid_first.queries)
+        else:
+            attended = _attend(q, k, v, key_bias)
         out = self.to_out[0](attended)
         return out if _adaln_kernels_run(kernels, out) else _zero_padded_rows(out, mask)
 
@@ -714,7 +714,6 @@ class AuKTransformer(nn.Module):
         nt = c_mask.shape[1]
         joint_bias = single_bias = joint_keys = single_valid_first = None
         if self.attn_mask_enabled and audio_mask is not None:
-
             # In the dtype the attention will see: autocast's where prepare runs under it, as the steps do.
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                      else self.proj_out.weight.dtype)
