@@ -106,7 +106,9 @@ def masked_attention(device: torch.device) -> str:
     """How the compiled step masks a padded run's attention on `device`, for the log."""
     if available(device):
         return "cuDNN's padding mask, each row's valid keys first"
-    return "additive key biases (for cuDNN's padding mask, install requirements-gpu.txt)"
+    if torch.device(device).type != "cuda":
+        return "additive key biases (cuDNN's padding mask is for GPUs)"
+    return "additive key biases (no cudnn package: requirements-gpu.txt brings cuDNN's padding mask)"
 
 
 def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,

@@ -98,9 +98,13 @@ def test_a_padded_context_carries_the_joint_key_layout_and_the_single_stream_lai
     assert type(half.single_valid_first) is type(first)
 
 
-def test_without_the_cudnn_package_or_off_a_gpu_the_key_bias_serves_the_attention_and_the_log_says_so():
+def test_without_the_cudnn_package_or_off_a_gpu_the_key_bias_serves_the_attention_and_the_log_says_so(
+        monkeypatch):
     assert not padded_attention.available(torch.device("cpu"))
-    assert "requirements-gpu.txt" in padded_attention.masked_attention(torch.device("cpu"))
+    assert "for GPUs" in padded_attention.masked_attention(torch.device("cpu"))
+    monkeypatch.setattr(padded_attention, "_registered", False)  # a GPU without the package
+    assert not padded_attention.available(torch.device("cuda"))
+    assert "requirements-gpu.txt" in padded_attention.masked_attention(torch.device("cuda"))
 
 
 needs_cudnn_sdpa = pytest.mark.skipif(not (HAS_CUDA and padded_attention.cudnn_sdpa_registered()),
