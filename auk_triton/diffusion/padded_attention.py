@@ -66,11 +66,10 @@ def valid_first(valid: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Ten
     """The layout of a stream whose valid tokens are `valid` (bool [B, L]) and whose last n tokens
     are the target; `rope`, the unmasked rotary tables of L tokens ([1, L, 1, Dh])."""
     rows, length = valid.shape
-    slots = key_slots(valid).long()
+    slots, counts, queries = key_layout(valid)
+    slots = slots.long()
     places = torch.arange(length, device=valid.device)
     order = torch.empty_like(slots).scatter_(1, slots, places.expand(rows, length))
-    counts = valid.sum(dim=1, dtype=torch.int32)
-    queries = torch.full((rows,), length, dtype=torch.int32, device=valid.device)
     return ValidFirst(order, slots[:, length - n:].contiguous(), places < counts[:, None], counts, queries, *rope)
 
 
