@@ -179,14 +179,15 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
 # Kernel kinds by name, first match wins: Inductor's generated Triton kernels (its fused
 # elementwise chains and norms, named after the ops they fuse), the fused attention
 # kernels (cuDNN's, flash, memory-efficient), the position embedding's convolutions,
-# cuBLAS / CUTLASS matrix multiplies, and the rest (eager elementwise, copies, casts,
+# cuBLAS / CUTLASS matrix multiplies (with the feed-forward's product and gate, swiglu_kernel.py),
+# and the rest (eager elementwise, copies, casts,
 # reductions).
 KERNEL_KINDS = (
     ("Inductor's fused kernels", ("triton_",)),
     ("q/k norm and RoPE kernel", ("norm_rope",)),
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("convolutions", ("fprop", "conv")),
-    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "swiglu_product")),
 )
 
 

@@ -1,20 +1,23 @@
-"""The blocks' LayerNorm with its AdaLN modulation, and the gated residual before it, as Triton kernels.
+"""The blocks' LayerNorm with its AdaLN modulation, and the gated residual before it, as one Triton kernel.
 
 Each block normalises its residual stream twice, before the attention and before the
-feed-forward, as `LN(x) * (1 + scale) + shift` with the step's modulation; before the
-second, the attention's gated output joins the stream, `h + gate * y`, with the padded
-tokens' y zeroed. Compiled, Inductor runs these as looped reductions over the 1,536
-channels well below memory bandwidth (benchmarks/studies/dit-step-kernels.md). Here a
-program owns one token's row: it reads it once, keeps it in registers for the mean, the
-variance and the output, and writes the modulated row (and the new stream).
+feed-forward, as `LN(x) * (1 + scale) + shift` with the step's modulation. Before each, an
+update joins the stream, `h + gate * y`: before the second the attention's (its padded
+tokens' y zeroed), before the first the previous block's feed-forward's, which the
+kernels' path leaves pending (transformer.PendingStream; a stack's first block adds a zero
+update). Compiled, Inductor ran the norms as looped reductions over the 1,536 channels
+well below memory bandwidth, and the residuals as kernels of their own
+(benchmarks/studies/dit-step-kernels.md). Here a program owns one token's row: it reads
+the stream and the update once, keeps the new row in registers for the mean, the variance
+and the output, and writes the new stream and the modulated row.
 
 Numerics are the eager step's under bf16 autocast: the LayerNorm in fp32 (its output
 fp32, as autocast runs it), `1 + scale` rounded to the modulation's dtype, the product
 and the shift in fp32, rounded once at the store (the cast the next linear's autocast
 makes); the gated residual rounded as eager rounds each op, `h + round(gate * y)`.
 
-Custom ops with fake implementations, opaque to Inductor (as norm_rope_kernel.py's);
-under `TRITON_INTERPRET=1` they run in Triton's interpreter.
+A custom op with a fake implementation, opaque to Inductor (as norm_rope_kernel.py's);
+under `TRITON_INTERPRET=1` it runs in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -32,19 +35,6 @@ def _modulated_norm(x, scale, shift, inside, width, eps, MOD_DTYPE: tl.constexpr
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / width + eps)
     one_plus_scale = (1.0 + scale).to(MOD_DTYPE).to(tl.float32)
     return centred * rstd * one_plus_scale + shift
-
-
-@triton.jit
-def _ln_modulate_kernel(out, x, scale, shift, x_row, mod_row, tokens, width, eps, BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    row = token // tokens
-    lanes = tl.arange(0, BLOCK)
-    inside = lanes < width
-    values = tl.load(x + token * x_row + lanes, mask=inside, other=0.0).to(tl.float32)
-    s = tl.load(scale + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)
-    t = tl.load(shift + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)
-    y = _modulated_norm(values, s, t, inside, width, eps, scale.dtype.element_ty)
-    tl.store(out + token * width + lanes, y.to(out.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -80,30 +70,6 @@ def _check_rows(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         if tensor.stride(-1) != 1:
             raise ValueError("the AdaLN kernels read rows with unit last stride")
-
-
-@torch.library.custom_op("auk::ln_modulate", mutates_args=())
-def ln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """x [B, N, D] -> LayerNorm(x) * (1 + scale) + shift, a new [B, N, D] of `out_dtype`; scale and
-    shift [B or 1, 1, D] (views of a modulation)."""
-    rows, tokens, width = x.shape
-    out = x.new_empty(x.shape, dtype=out_dtype)
-    if x.numel() == 0:
-        return out
-    _check_rows(x, scale, shift)
-    if scale.stride(0) != shift.stride(0):
-        raise ValueError("scale and shift must be views of one modulation")
-    _ln_modulate_kernel[(rows * tokens,)](
-        out, x, scale, shift, x.stride(1), _mod_row_stride(scale, rows), tokens, width, eps,
-        BLOCK=triton.next_power_of_2(width), num_warps=4,
-    )
-    return out
-
-
-@ln_modulate.register_fake
-def _(x, scale, shift, eps, out_dtype):
-    return x.new_empty(x.shape, dtype=out_dtype)
 
 
 @torch.library.custom_op("auk::residual_ln_modulate", mutates_args=())

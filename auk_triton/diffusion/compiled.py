@@ -80,15 +80,15 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
-    double, single, valid_first = run_double_block, run_single_block, False
+    double, single, kernels = run_double_block, run_single_block, False
     if options.block_kernels:
         try:
             # Imported here: their ops are registered before a saved trace that calls them is loaded.
-            from . import adaln_kernel, norm_rope_kernel  # noqa: F401
+            from . import adaln_kernel, norm_rope_kernel, swiglu_kernel  # noqa: F401
             from .padded_attention import cudnn_sdpa_registered
 
             cudnn_sdpa_registered()  # the same for cuDNN's attention op, where the package is there
-            double, single, valid_first = run_double_block_kernels, run_single_block_kernels, True
+            double, single, kernels = run_double_block_kernels, run_single_block_kernels, True
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
     functions = dict(double=double, single=single)
@@ -97,9 +97,9 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
         return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()},
-                            valid_first=valid_first)
+                            kernels=kernels)
     return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()},
-                        valid_first=valid_first)
+                        kernels=kernels)
 
 
 def traces_note(blocks: BlockRunners) -> str | None:

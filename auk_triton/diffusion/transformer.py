@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +228,15 @@ class FeedForward(nn.Module):
         self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
         self.linear_out = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        """With `kernels`, where swiglu_kernel.py fits (a Hopper GPU, a plain bf16 linear_in), the
+        product and its gate are one kernel; a single row's are left to cuBLAS and Inductor, which
+        were as fast at its size (benchmarks/studies/dit-step-kernels.md)."""
+        if (kernels and x.shape[0] > 1 and type(self.linear_in) is nn.Linear
+                and _swiglu_kernel_fits(x, self.linear_in.weight)):
+            from .swiglu_kernel import swiglu_product
+
+            return self.linear_out(swiglu_product(x, self.linear_in.weight))
         gate, up = self.linear_in(x).chunk(2, dim=-1)
         return self.linear_out(F.silu(gate) * up)
 
@@ -273,6 +281,16 @@ def _norm_rope_kernel_fits(qkv: torch.Tensor, norm: nn.RMSNorm) -> bool:
     return qkv.is_cuda and width & (width - 1) == 0
 
 
+def _swiglu_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether swiglu_kernel.py computes a feed-forward's first product and gate (a GPU only: the
+    module imports triton)."""
+    if not x.is_cuda:
+        return False
+    from .swiglu_kernel import fits
+
+    return fits(x, weight)
+
+
 def _valid_keys_first(layout, x: torch.Tensor) -> bool:
     """Whether the kernels' path lays a masked attention's valid keys first and masks through
     cuDNN's padding mask (padded_attention.py): with a layout for them in the context, where the
@@ -298,6 +316,40 @@ def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 def _ff_update(x, ff, norm, shift, scale, gate):
     return x + gate * ff(norm(x) * (1 + scale) + shift)
+
+
+class PendingStream(NamedTuple):
+    """A residual stream with its last feed-forward update not yet added: the stream is
+    `h + gate_mlp * update` (rounded as eager rounds), gate_mlp from `mod`, the [R, 6D]
+    modulation of the block that made the update.
+
+    On the kernels' path each block leaves its feed-forward's update to the next block's first
+    LayerNorm kernel, which adds it as it reads the row (adaln_kernel.residual_ln_modulate):
+    one pass over the stream where a separate residual kernel made two. A stack's first block
+    gets a zero update under a zero modulation (`starting`), so every block of a kind is called
+    with arguments of one form and one compilation serves them all."""
+
+    h: torch.Tensor
+    update: torch.Tensor
+    mod: torch.Tensor
+
+    @staticmethod
+    def starting(h: torch.Tensor, zero_mod: torch.Tensor, dtype: torch.dtype) -> "PendingStream":
+        """h with nothing pending: a zero update in the feed-forward's output dtype; `zero_mod`, zeros
+        laid out as the blocks' modulations are (views of one [R, total] table)."""
+        return PendingStream(h, torch.zeros(h.shape, dtype=dtype, device=h.device), zero_mod)
+
+    def gate(self) -> torch.Tensor:
+        return AdaLayerNormZero.parts(self.mod)[5]
+
+    def settled(self) -> torch.Tensor:
+        return self.h + self.gate() * self.update
+
+    def gathered(self, places: torch.Tensor) -> "PendingStream":
+        return PendingStream(gather_tokens(self.h, places), gather_tokens(self.update, places), self.mod)
+
+    def last(self, n: int) -> "PendingStream":
+        return PendingStream(self.h[:, -n:], self.update[:, -n:], self.mod)
 
 
 class Attention(nn.Module):
@@ -389,8 +441,9 @@ class DoubleStreamBlock(nn.Module):
         self.ff_x = FeedForward(dim, ff_hidden)
 
     def forward(self, a, c, mod_c, mod_x, ctx: "DiTContext", kernels: bool = False):
-        """mod_c, mod_x: attn_norm_c's and attn_norm_x's modulations at this step's time."""
-        if _adaln_kernels_run(kernels, a):
+        """mod_c, mod_x: attn_norm_c's and attn_norm_x's modulations at this step's time. Streams
+        with their updates pending (the kernels' path, AuKTransformer.velocity) go through the kernels."""
+        if isinstance(a, PendingStream):
             return self._forward_kernels(a, c, mod_c, mod_x, ctx)
         c_in, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.attn_norm_c.modulate(c, mod_c)
         a_in, a_gate_msa, a_shift_mlp, a_scale_mlp, a_gate_mlp = self.attn_norm_x.modulate(a, mod_x)
@@ -402,23 +455,28 @@ class DoubleStreamBlock(nn.Module):
         a = _ff_update(a, self.ff_x, self.ff_norm_x, a_shift_mlp, a_scale_mlp, a_gate_mlp)
         return a, c
 
-    def _forward_kernels(self, a, c, mod_c, mod_x, ctx: "DiTContext"):
-        """forward() with each stream's norms, modulations and attention residual in the AdaLN
-        kernels (and the attention's q/k in norm_rope_kernel.py)."""
-        from .adaln_kernel import ln_modulate, residual_ln_modulate
+    def _forward_kernels(self, a: PendingStream, c: PendingStream, mod_c, mod_x, ctx: "DiTContext"):
+        """forward() with each stream's norms, modulations and residuals in the AdaLN kernels (and
+        the attention's q/k in norm_rope_kernel.py, the feed-forwards' gates in swiglu_kernel.py):
+        the previous block's feed-forward updates added as the first norms read the streams, this
+        block's left pending."""
+        from .adaln_kernel import residual_ln_modulate
 
-        dtype = _activation_dtype(a)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = AdaLayerNormZero.parts(mod_c)
-        a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = AdaLayerNormZero.parts(mod_x)
-        c_in = ln_modulate(c, c_scale, c_shift, self.attn_norm_c.norm.eps, dtype)
-        a_in = ln_modulate(a, a_scale, a_shift, self.attn_norm_x.norm.eps, dtype)
+        dtype = _activation_dtype(a.h)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, _ = AdaLayerNormZero.parts(mod_c)  # gate_mlp: pending
+        a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, _ = AdaLayerNormZero.parts(mod_x)
+        c_in, c_h = residual_ln_modulate(c.h, c.update, c.gate(), None, c_scale, c_shift,
+                                         self.attn_norm_c.norm.eps, dtype)
+        a_in, a_h = residual_ln_modulate(a.h, a.update, a.gate(), None, a_scale, a_shift,
+                                         self.attn_norm_x.norm.eps, dtype)
         da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
                            True, ctx.joint_keys)
-        c_ff_in, c = residual_ln_modulate(c, dc, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
-                                          self.ff_norm_c.eps, dtype)
-        a_ff_in, a = residual_ln_modulate(a, da, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
-                                          self.ff_norm_x.eps, dtype)
-        return a + a_gate_mlp * self.ff_x(a_ff_in), c + c_gate_mlp * self.ff_c(c_ff_in)
+        c_ff_in, c_h = residual_ln_modulate(c_h, dc, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
+                                            self.ff_norm_c.eps, dtype)
+        a_ff_in, a_h = residual_ln_modulate(a_h, da, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
+                                            self.ff_norm_x.eps, dtype)
+        return (PendingStream(a_h, self.ff_x(a_ff_in, True), mod_x),
+                PendingStream(c_h, self.ff_c(c_ff_in, True), mod_c))
 
 
 class SingleStreamBlock(nn.Module):
@@ -430,24 +488,25 @@ class SingleStreamBlock(nn.Module):
         self.ff = FeedForward(dim, ff_hidden)
 
     def forward(self, h, mod, ctx: "DiTContext", kernels: bool = False):
-        if _adaln_kernels_run(kernels, h):
+        if isinstance(h, PendingStream):  # the kernels' path (AuKTransformer.velocity)
             return self._forward_kernels(h, mod, ctx)
         h_in, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulate(h, mod)
         h = h + gate_msa * self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, kernels)
         return _ff_update(h, self.ff, self.ff_norm, shift_mlp, scale_mlp, gate_mlp)
 
-    def _forward_kernels(self, h, mod, ctx: "DiTContext"):
-        """forward() with the norms, modulations and attention residual in the AdaLN kernels (and
-        the attention's q/k in norm_rope_kernel.py)."""
-        from .adaln_kernel import ln_modulate, residual_ln_modulate
+    def _forward_kernels(self, h: PendingStream, mod, ctx: "DiTContext"):
+        """forward() as DoubleStreamBlock._forward_kernels runs each of its streams."""
+        from .adaln_kernel import residual_ln_modulate
 
-        dtype = _activation_dtype(h)
-        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = AdaLayerNormZero.parts(mod)
-        h_in = ln_modulate(h, scale, shift, self.attn_norm.norm.eps, dtype)
+        dtype = _activation_dtype(h.h)
+        shift, scale, gate, shift_mlp, scale_mlp, _ = AdaLayerNormZero.parts(mod)
+        h_in, stream = residual_ln_modulate(h.h, h.update, h.gate(), None, scale, shift, self.attn_norm.norm.eps,
+                                            dtype)
         # With it, the stream comes laid out with its valid tokens first (AuKTransformer.velocity).
         y = self.attn(h_in, ctx.rope_single, ctx.single_bias, ctx.single_mask, True, ctx.single_valid_first)
-        ff_in, h = residual_ln_modulate(h, y, gate, ctx.single_mask, scale_mlp, shift_mlp, self.ff_norm.eps, dtype)
-        return h + gate_mlp * self.ff(ff_in)
+        ff_in, stream = residual_ln_modulate(stream, y, gate, ctx.single_mask, scale_mlp, shift_mlp,
+                                             self.ff_norm.eps, dtype)
+        return PendingStream(stream, self.ff(ff_in, True), mod)
 
 
 def run_double_block(block: DoubleStreamBlock, a, c, mod_c, mod_x, ctx):
@@ -474,22 +533,25 @@ def run_audio_embedding(embed: "AudioEmbedding", x, target_mask):
 
 
 def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int):
-    """The velocity of the last n tokens (the target) from the single stream's output."""
-    return proj_out(norm_out.modulate(h[:, -n:], mod))
+    """The velocity of the last n tokens (the target) from the single stream's output (a tensor, or a
+    PendingStream: its update added here)."""
+    target = h.last(n).settled() if isinstance(h, PendingStream) else h[:, -n:]
+    return proj_out(norm_out.modulate(target, mod))
 
 
 @dataclass(frozen=True)
 class BlockRunners:
     """How `velocity` calls its blocks and the parts around them: as they are, or compiled (see
     compiled.py). Every block of a kind runs through the same function, so one compilation
-    serves all of them. `valid_first`: the single blocks run the kernels' path, which takes a
-    padded stream laid out with its valid tokens first (padded_attention.py) where it can."""
+    serves all of them. `kernels`: the blocks run the kernels' path, which on a GPU takes a padded
+    single stream laid out with its valid tokens first (padded_attention.py) where it can, and
+    streams with their feed-forward updates pending (PendingStream)."""
 
     double: Callable = run_double_block
     single: Callable = run_single_block
     audio_embedding: Callable = run_audio_embedding
     output: Callable = run_output
-    valid_first: bool = False
+    kernels: bool = False
 
 
 EAGER_BLOCKS = BlockRunners()
@@ -797,20 +859,29 @@ class AuKTransformer(nn.Module):
         if ctx.prompt is not None:
             a = torch.cat([ctx.prompt, a], dim=1)
         c = ctx.c
+        pending = blocks.kernels and _adaln_kernels_run(True, a)
+        if pending:  # the feed-forwards' updates left to the next block's norm kernel (PendingStream)
+            dtype = _activation_dtype(a)
+            zero_mod = torch.zeros_like(mod)[:, : self.transformer_blocks[0].attn_norm_x.linear.out_features]
+            a, c = PendingStream.starting(a, zero_mod, dtype), PendingStream.starting(c, zero_mod, dtype)
         for block in self.transformer_blocks:
             a, c = blocks.double(block, a, c, next(mods), next(mods), ctx)
+        if pending:
+            a, c = a.settled(), c.settled()
         h = torch.cat([c, a], dim=1)
         first = ctx.single_valid_first
-        if first is not None and blocks.valid_first and _valid_keys_first(first, h):
+        if first is not None and blocks.kernels and _valid_keys_first(first, h):
             # The single blocks' stream laid out with its valid tokens first (padded_attention.py).
             h = gather_tokens(h, first.order)
             ctx = replace(ctx, rope_single=(first.cos, first.sin), single_mask=first.mask, single_bias=None)
         elif first is not None:
             ctx = replace(ctx, single_valid_first=None)
+        if pending:
+            h = PendingStream.starting(h, zero_mod, dtype)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
         if ctx.single_valid_first is not None:
-            h = gather_tokens(h, first.target)
+            h = h.gathered(first.target) if pending else gather_tokens(h, first.target)
         return blocks.output(self.norm_out, self.proj_out, h, next(mods), n)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:

@@ -157,7 +157,7 @@ class TritonPythonModel:
         traces = traces_note(graphs.blocks)
         if traces:
             log("info", f"{self.name}: compiled blocks: {traces}")
-        if graphs.blocks.valid_first:
+        if graphs.blocks.kernels:
             log("info", f"{self.name}: padded runs' attention: {masked_attention(self.device)}")
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "

@@ -1,11 +1,11 @@
-"""The AdaLN kernels (auk_triton/diffusion/adaln_kernel.py) against the eager ops, and the blocks
-that call them against the eager blocks.
+"""The AdaLN kernel (auk_triton/diffusion/adaln_kernel.py) against the eager ops, and the blocks
+that call it against the eager blocks.
 
 Without CUDA but with `triton` importable they run in Triton's CPU interpreter (a subprocess:
 TRITON_INTERPRET=1 must be set before triton is imported), in fp32 at the small preset's
 sizes, with padded rows and a modulation row broadcast over the batch. The blocks' test runs
-the kernels' path on the CPU (it is the GPU's path otherwise) and requires the eager block's
-outputs. With CUDA, bf16 at the released width.
+the kernels' path on the CPU (it is the GPU's path otherwise: these kernels, the q/k norms'
+and the feed-forward's) and requires the eager block's outputs. With CUDA, bf16 at the released width.
 """
 
 from __future__ import annotations
@@ -29,30 +29,31 @@ def _rel(got, want) -> float:
 
 
 def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0) -> dict:
-    from auk_triton.diffusion.adaln_kernel import ln_modulate, residual_ln_modulate
+    """The kernel against the eager ops: a feed-forward's update joining the stream before the first
+    norm (no tokens masked), the attention's before the second (a padded row's tokens masked)."""
+    from auk_triton.diffusion.adaln_kernel import residual_ln_modulate
 
     g = torch.Generator().manual_seed(seed)
     draw = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
-    h, y = draw(rows, tokens, width), draw(rows, tokens, width)
+    h, y_ff, y = draw(rows, tokens, width), draw(rows, tokens, width), draw(rows, tokens, width)
     mod = draw(1, 6 * width) * 0.1  # one row broadcast over the batch, as a table's lookup
     shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = mod[:, None].chunk(6, dim=-1)
     keep = torch.ones(rows, tokens, dtype=torch.bool, device=device)
     keep[-1, tokens - 2:] = False
     norm = torch.nn.LayerNorm(width, elementwise_affine=False, eps=transformer.LN_EPS)
     with torch.inference_mode():
-        want_in = (norm(h.float()) * (1 + scale).float() + shift.float()).to(dtype)
-        got_in = ln_modulate(h, scale, shift, transformer.LN_EPS, dtype)
-        want_h = h + gate * y.masked_fill(~keep[..., None], 0.0)
-        want_ff = (norm(want_h.float()) * (1 + scale_mlp).float() + shift_mlp.float()).to(dtype)
-        got_ff, got_h = residual_ln_modulate(h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype)
-    # The fake implementations (what torch.compile traces with) give the real outputs' shapes and dtypes.
-    fake_checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(ln_modulate, (h, scale, shift, transformer.LN_EPS, dtype), test_utils=fake_checks)
+        want_h = h + gate_mlp * y_ff
+        want_in = (norm(want_h.float()) * (1 + scale).float() + shift.float()).to(dtype)
+        got_in, got_h = residual_ln_modulate(h, y_ff, gate_mlp, None, scale, shift, transformer.LN_EPS, dtype)
+        want_h2 = want_h + gate * y.masked_fill(~keep[..., None], 0.0)
+        want_ff = (norm(want_h2.float()) * (1 + scale_mlp).float() + shift_mlp.float()).to(dtype)
+        got_ff, got_h2 = residual_ln_modulate(got_h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype)
+    # The fake implementation (what torch.compile traces with) gives the real outputs' shapes and dtypes.
     torch.library.opcheck(residual_ln_modulate, (h, y, gate, keep, scale_mlp, shift_mlp, transformer.LN_EPS, dtype),
-                          test_utils=fake_checks)
+                          test_utils=("test_schema", "test_faketensor"))
     return {"id": f"{rows}x{tokens}x{width} {str(dtype).split('.')[-1]}",
-            "rel_l2": max(_rel(got_in, want_in), _rel(got_ff, want_ff), _rel(got_h, want_h)),
-            "shapes_match": got_in.shape == want_in.shape and got_ff.shape == got_h.shape == h.shape}
+            "rel_l2": max(_rel(got_in, want_in), _rel(got_h, want_h), _rel(got_ff, want_ff), _rel(got_h2, want_h2)),
+            "shapes_match": got_in.shape == got_ff.shape == got_h2.shape == h.shape}
 
 
 def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
@@ -73,7 +74,7 @@ def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
         mod = model.modulation_at(torch.tensor(0.4))
         eager = model.velocity(x, mod, ctx)
         kernels = transformer.BlockRunners(double=transformer.run_double_block_kernels,
-                                           single=transformer.run_single_block_kernels, valid_first=True)
+                                           single=transformer.run_single_block_kernels, kernels=True)
         layout = transformer._valid_keys_first
         if valid_keys_first:
             transformer._valid_keys_first = lambda keys, qkv: keys is not None
@@ -89,6 +90,7 @@ def _interpreter_main() -> int:
     # On the CPU the kernels' path is otherwise never taken: take it here, as a GPU does.
     transformer._adaln_kernels_run = lambda kernels, x: kernels
     transformer._norm_rope_kernel_fits = lambda qkv, norm: True
+    transformer._swiglu_kernel_fits = lambda x, weight: True
     return run_checks([lambda: compare_ops(2, 5, 64, "cpu", torch.float32),
                        lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
                        lambda: compare_blocks("cpu", torch.float32),
@@ -100,7 +102,7 @@ def interpreter_results():
     return interpreter_run(__file__, count=4)
 
 
-def test_the_kernels_normalise_modulate_and_add_the_gated_residual_as_eager_does_in_fp32(interpreter_results):
+def test_the_kernel_adds_each_update_then_normalises_and_modulates_as_eager_does_in_fp32(interpreter_results):
     for result in interpreter_results[:2]:
         assert "error" not in result, result
         assert result["shapes_match"] and result["rel_l2"] <= FP32_TOLERANCE, result
