@@ -336,7 +336,7 @@ class PendingStream(NamedTuple):
     @staticmethod
     def starting(h: torch.Tensor, zero_mod: torch.Tensor, dtype: torch.dtype) -> "PendingStream":
         """h with nothing pending: a zero update in the feed-forward's output dtype; `zero_mod`, zeros
-        laid out as the blocks' modulations are (views of one [R, total] table)."""
+        laid out as a block's modulation is (a view of an [R, total] row, as `split_modulation` makes)."""
         return PendingStream(h, torch.zeros(h.shape, dtype=dtype, device=h.device), zero_mod)
 
     def gate(self) -> torch.Tensor:
@@ -862,8 +862,10 @@ class AuKTransformer(nn.Module):
         pending = blocks.kernels and _adaln_kernels_run(True, a)
         if pending:  # the feed-forwards' updates left to the next block's norm kernel (PendingStream)
             dtype = _activation_dtype(a)
-            zero_mod = torch.zeros_like(mod)[:, : self.transformer_blocks[0].attn_norm_x.linear.out_features]
-            a, c = PendingStream.starting(a, zero_mod, dtype), PendingStream.starting(c, zero_mod, dtype)
+            # Zero modulations laid out as `mods`, one per stream: a block's guards tell its arguments apart.
+            zeros = self.split_modulation(torch.zeros_like(mod))
+            zero_c, zero_x = next(zeros), next(zeros)
+            a, c = PendingStream.starting(a, zero_x, dtype), PendingStream.starting(c, zero_c, dtype)
         for block in self.transformer_blocks:
             a, c = blocks.double(block, a, c, next(mods), next(mods), ctx)
         if pending:
@@ -877,7 +879,7 @@ class AuKTransformer(nn.Module):
         elif first is not None:
             ctx = replace(ctx, single_valid_first=None)
         if pending:
-            h = PendingStream.starting(h, zero_mod, dtype)
+            h = PendingStream.starting(h, next(zeros), dtype)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
         if ctx.single_valid_first is not None:

@@ -86,6 +86,29 @@ def compare_blocks(device, dtype, valid_keys_first: bool = False) -> dict:
             "finite": bool(torch.isfinite(got).all())}
 
 
+def compiled_kernels_path() -> dict:
+    """The small DiT's kernels' path through Dynamo (its eager backend: the trace and its guards) at two
+    times of a run's table: whether any block kind was compiled a second time."""
+    from torch._dynamo.utils import counters
+
+    from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
+
+    torch.manual_seed(0)
+    model = transformer.AuKTransformer(latent_dim=64, **PRESETS["small"]).eval()
+    blocks = compiled_blocks(CompileOptions(backend="eager"))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, -3:] = False
+    errors = []
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        ctx = model.prepare(torch.randn(2, 6, 2048), 12, mask=mask)
+        table = model.modulation_table([0.4, 0.7])
+        x = torch.randn(2, 12, 64)
+        for time in table.rows:  # the grid's times, as the steps look them up
+            mod = table.lookup(time)
+            errors.append(_rel(model.velocity(x, mod, ctx, blocks), model.velocity(x, mod, ctx)))
+    return {"id": "compiled kernels' path", "rel_l2": max(errors), "graphs": counters["stats"]["unique_graphs"]}
+
+
 def _interpreter_main() -> int:
     # On the CPU the kernels' path is otherwise never taken: take it here, as a GPU does.
     transformer._adaln_kernels_run = lambda kernels, x: kernels
@@ -94,12 +117,13 @@ def _interpreter_main() -> int:
     return run_checks([lambda: compare_ops(2, 5, 64, "cpu", torch.float32),
                        lambda: compare_ops(1, 3, 40, "cpu", torch.float32),
                        lambda: compare_blocks("cpu", torch.float32),
-                       lambda: compare_blocks("cpu", torch.float32, valid_keys_first=True)])
+                       lambda: compare_blocks("cpu", torch.float32, valid_keys_first=True),
+                       compiled_kernels_path])
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return interpreter_run(__file__, count=4)
+    return interpreter_run(__file__, count=5)
 
 
 def test_the_kernel_adds_each_update_then_normalises_and_modulates_as_eager_does_in_fp32(interpreter_results):
@@ -118,6 +142,14 @@ def test_the_blocks_attending_to_valid_keys_laid_first_give_the_eager_blocks_vel
     result = interpreter_results[3]
     assert "error" not in result, result
     assert result["finite"] and result["rel_l2"] <= FP32_TOLERANCE, result
+
+
+def test_one_compilation_serves_every_block_of_a_kind_with_its_update_pending(interpreter_results):
+    # A stack's first block gets a zero update under zero modulations laid out as the others'
+    # (transformer.PendingStream): four graphs, the two block kinds and the edges, none compiled twice.
+    result = interpreter_results[4]
+    assert "error" not in result, result
+    assert result["graphs"] == 4 and result["rel_l2"] <= FP32_TOLERANCE, result
 
 
 @pytest.mark.gpu
