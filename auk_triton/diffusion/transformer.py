@@ -230,8 +230,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         """With `kernels`, where swiglu_kernel.py fits (a Hopper GPU, a plain bf16 linear_in), the
-        product and its gate are one kernel; a single row's are left to cuBLAS and Inductor, which
-        were as fast at its size (benchmarks/studies/dit-step-kernels.md)."""
+        product and its gate are one kernel; a single row's are left to cuBLAS and Inductor, faster
+        at its size (benchmarks/studies/dit-step-kernels.md)."""
         if (kernels and x.shape[0] > 1 and type(self.linear_in) is nn.Linear
                 and _swiglu_kernel_fits(x, self.linear_in.weight)):
             from .swiglu_kernel import swiglu_product
