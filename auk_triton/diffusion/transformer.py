@@ -320,8 +320,8 @@ def _ff_update(x, ff, norm, shift, scale, gate):
 
 class PendingStream(NamedTuple):
     """A residual stream with its last feed-forward update not yet added: the stream is
-    `h + gate_mlp * update` (rounded as eager rounds), gate_mlp from `mod`, the [R, 6D]
-    modulation of the block that made the update.
+    `h + gate_mlp * update`, gate_mlp from `mod`, the [R, 6D] modulation of the block that made
+    the update.
 
     On the kernels' path each block leaves its feed-forward's update to the next block's first
     LayerNorm kernel, which adds it as it reads the row (adaln_kernel.residual_ln_modulate):
