@@ -32,6 +32,13 @@ import torch
 import torch.nn.functional as F
 
 
+def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Valid keys, bool [B, K] -> the attention's additive bias [B, 1, 1, K] in `dtype`: 0 where a
+    key is valid, -inf where it is padding (exactly a boolean mask's effect)."""
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+    return bias[:, None, None, :]
+
+
 def key_slots(valid: torch.Tensor) -> torch.Tensor:
     """Valid keys, bool [B, K] -> int32 [B, K]: where each key goes, its row's valid keys first in
     their order, then its padded keys in theirs (a permutation of 0..K-1 per row)."""
@@ -121,6 +128,5 @@ def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
                                           return_lse=False)
     else:
         keep = torch.arange(k.shape[1], device=k.device) < counts[:, None]
-        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias[:, None, None, :])
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=key_bias(keep, q.dtype))
     return out.transpose(1, 2).flatten(2)

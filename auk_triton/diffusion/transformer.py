@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import padded_attention
-from .padded_attention import ValidFirst, attend_valid_keys, gather_tokens, key_layout, valid_first
+from .padded_attention import ValidFirst, attend_valid_keys, gather_tokens, key_bias, key_layout, valid_first
 
 log = logging.getLogger(__name__)
 
@@ -259,13 +259,6 @@ def _attend(q, k, v, key_bias):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=key_bias)
     return out.transpose(1, 2).flatten(2)
-
-
-def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Valid keys, bool [B, K] -> the attention's additive bias [B, 1, 1, K] in `dtype`: 0 where a
-    key is valid, -inf where it is padding (exactly a boolean mask's effect)."""
-    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, float("-inf"))
-    return bias[:, None, None, :]
 
 
 def _norm_eps(norm: nn.RMSNorm) -> float:
