@@ -77,6 +77,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from auk_triton.cuda_graph import capture
 from auk_triton.diffusion.compiled import CompileOptions, compiled_blocks
 from auk_triton.diffusion.fp8 import check_fp8_support, use_fp8_linears
+from auk_triton.diffusion.gemm_workspace import without_gemm_workspace
 from auk_triton.diffusion.buckets import ShapeBuckets
 from auk_triton.diffusion.joined import JoinedRuns
 from auk_triton.diffusion.sampler import AuKDiTSampler, Request, euler_integrate
@@ -448,6 +449,9 @@ def main() -> None:
         sys.exit("needs a CUDA GPU (or --small for the CPU smoke test)")
     if device.type == "cuda" or args.cache_dir:  # the CPU smoke test's eager backend writes no code
         use_compile_cache(Path(args.cache_dir or tempfile.mkdtemp(prefix="auk-dit-step-")))
+    if device.type == "cuda":
+        # As load_sampler does for the served DiT; the environment's sizes win, for comparisons.
+        say(f"cuBLAS workspaces: {without_gemm_workspace()}")
     frames = args.frames or (24 if args.small else 500)
     tokens = args.tokens or (8 if args.small else 64)
     iters = args.iters or (50 if device.type == "cuda" else 3)

@@ -14,9 +14,8 @@ and the output, and writes the new stream and the modulated row.
 Numerics are the eager step's under bf16 autocast: the LayerNorm in fp32 (its output
 fp32, as autocast runs it), `1 + scale` rounded to the modulation's dtype, the product
 and the shift in fp32, rounded once at the store (the cast the next linear's autocast
-makes); the gated residual written as eager rounds each op, `h + round(gate * y)`, though on a
-GPU the compiler fuses the product into the sum, which then rounds once: a few percent of
-the new stream's values lie one bf16 step from eager's (tests/diffusion/test_adaln_kernel.py).
+makes); the gated residual as eager rounds each op, `h + round(gate * y)`, the product
+rounded by its bits so the GPU build cannot fuse it into the sum (tests/diffusion/test_adaln_kernel.py).
 
 A custom op with a fake implementation, opaque to Inductor (as norm_rope_kernel.py's);
 under `TRITON_INTERPRET=1` it runs in Triton's interpreter.
@@ -30,12 +29,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _rounded_to(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE's values, kept in fp32. For bf16 by its bits (to nearest, ties to
+    even): a cast there and back lets the GPU build fuse a product into the sum that follows,
+    rounding once where eager rounds twice."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _modulated_norm(x, scale, shift, inside, width, eps, MOD_DTYPE: tl.constexpr):
     """x [BLOCK] fp32 (a row, zero past `width`) -> LN(x) * (1 + scale) + shift in fp32."""
     mean = tl.sum(x, axis=0) / width
     centred = tl.where(inside, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / width + eps)
-    one_plus_scale = (1.0 + scale).to(MOD_DTYPE).to(tl.float32)
+    one_plus_scale = _rounded_to(1.0 + scale, MOD_DTYPE)
     return centred * rstd * one_plus_scale + shift
 
 
@@ -52,10 +63,9 @@ def _residual_ln_modulate_kernel(out, h_out, h, y, gate, keep, scale, shift, h_r
         update = tl.where(tl.load(keep + token) != 0, update, 0.0)
     g = tl.load(gate + row * mod_row + lanes, mask=inside, other=0.0)
     # Eager's gate * y, rounded to y's dtype (both the modulation's), then the residual's sum in
-    # the stream's (fp32 where the stream is: the text stream after autocast's RMSNorm). A GPU build
-    # fuses the two into one multiply-add (module docstring).
-    gated = (g.to(tl.float32) * update.to(tl.float32)).to(y.dtype.element_ty)
-    new = (stream.to(tl.float32) + gated.to(tl.float32)).to(stream.dtype)
+    # the stream's (fp32 where the stream is: the text stream after autocast's RMSNorm).
+    gated = _rounded_to(g.to(tl.float32) * update.to(tl.float32), y.dtype.element_ty)
+    new = (stream.to(tl.float32) + gated).to(stream.dtype)
     tl.store(h_out + token * width + lanes, new, mask=inside)
     s = tl.load(scale + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)
     t = tl.load(shift + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)

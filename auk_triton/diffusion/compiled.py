@@ -35,6 +35,7 @@ from .precompiled import PrecompiledFunction
 from .transformer import (
     BlockRunners,
     run_audio_embedding,
+    run_audio_embedding_kernels,
     run_double_block,
     run_double_block_kernels,
     run_output,
@@ -60,7 +61,9 @@ class CompileOptions:
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
     # Triton kernel per block (norm_rope_kernel.py), for heads of a power-of-two width, and each
     # block's LayerNorms with their modulation and its gated residual as the AdaLN kernels
-    # (adaln_kernel.py), instead of Inductor's fused ops. A CPU runs them as the eager step does.
+    # (adaln_kernel.py), its feed-forward's product and gate as one (swiglu_kernel.py), and the
+    # audio embedding's convolutions as the position conv kernels (position_conv_kernel.py),
+    # instead of Inductor's fused ops and cuDNN. A CPU runs them as the eager step does.
     block_kernels: bool = True
     # The parts around the blocks (the audio embedding with its grouped convolutions, the output
     # norm and projection) compiled too, rather than run as eager ops.
@@ -80,20 +83,21 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
     compile_kw = dict(dynamic=options.dynamic, backend=options.backend, fullgraph=True)
     if options.backend == "inductor":
         compile_kw["options"] = dict(INDUCTOR_OPTIONS)
-    double, single, kernels = run_double_block, run_single_block, False
+    double, single, embedding, kernels = run_double_block, run_single_block, run_audio_embedding, False
     if options.block_kernels:
         try:
             # Imported here: their ops are registered before a saved trace that calls them is loaded.
-            from . import adaln_kernel, norm_rope_kernel, swiglu_kernel  # noqa: F401
+            from . import adaln_kernel, norm_rope_kernel, position_conv_kernel, swiglu_kernel  # noqa: F401
             from .padded_attention import cudnn_sdpa_registered
 
             cudnn_sdpa_registered()  # the same for cuDNN's attention op, where the package is there
             double, single, kernels = run_double_block_kernels, run_single_block_kernels, True
+            embedding = run_audio_embedding_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
     functions = dict(double=double, single=single)
     if options.compile_edges:
-        functions.update(audio_embedding=run_audio_embedding, output=run_output)
+        functions.update(audio_embedding=embedding, output=run_output)
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
         return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()},

@@ -42,6 +42,7 @@ from .buckets import RunShape, ShapeBuckets
 from .compiled import CompileOptions, compiled_blocks
 from .deferred import DeferredBuckets, DeferredGraphs
 from .fp8 import check_fp8_support, use_fp8_linears
+from .gemm_workspace import without_gemm_workspace
 from .step_graph import DiTGraphCache
 from .transformer import (
     EAGER_BLOCKS,
@@ -716,6 +717,8 @@ def load_sampler(checkpoint_dir, device="cpu", dtype=None, **kwargs) -> AuKDiTSa
     kwargs go to AuKDiTSampler (max_frames, max_graphs, buckets, compile, fp8_linears).
     """
     device = torch.device(device)
+    if device.type == "cuda":
+        without_gemm_workspace()  # before the process's first product (gemm_workspace.py)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return AuKDiTSampler.from_checkpoint(Path(checkpoint_dir), device, dtype, **kwargs)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .sampler import DEFAULTS
 from .transformer import (CHECKPOINT_PREFIX, CONFIG_FILE, ENCODER_FUSION_KEYS, WEIGHTS_FILE, AuKTransformer,
-                          build_transformer)
+                          build_transformer, ready_for_inference)
 
 SYNTHETIC_DIT_WARNING = (
     "AuK DiT weights are SYNTHETIC (seeded random, not the released checkpoint): "
@@ -94,7 +94,7 @@ def synthetic_transformer(preset: str = "small", seed: int = 0, device="cpu", dt
     model = build_transformer({"dit": PRESETS[preset], "vae": {"latent_dim": latent_dim}}, device="meta")
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    return ready_for_inference(model)
 
 
 def write_synthetic_dit_checkpoint(out_dir, preset: str = "small", seed: int = 0, variant: str = "base") -> Path:

@@ -82,7 +82,7 @@ class TimestepEmbedding(nn.Module):
 
 
 class ConvPositionEmbedding(nn.Module):
-    """Two grouped convs with Mish, re-zeroing padded frames after each conv."""
+    """h plus two grouped convs of it with Mish, re-zeroing padded frames after each conv."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -91,7 +91,26 @@ class ConvPositionEmbedding(nn.Module):
             nn.Conv1d(dim, dim, **conv), nn.Mish(), nn.Conv1d(dim, dim, **conv), nn.Mish()
         )
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, kernels: bool = False) -> torch.Tensor:
+        """With `kernels`, on a GPU, each conv with its masks and Mish is one kernel over the
+        channels-last tokens (position_conv_kernel.py), and h is added by the second."""
+        if kernels and _position_conv_kernel_fits(h):
+            from .position_conv_kernel import position_conv
+
+            conv1, conv2 = self.conv1d[0], self.conv1d[2]
+            y = position_conv(h, mask, conv1.weight.permute(2, 1, 0), conv1.bias, None, conv1.groups)
+            return position_conv(y, mask, conv2.weight.permute(2, 1, 0), conv2.bias, h, conv2.groups)
+        return h + self._convs(h, mask)
+
+    def lay_weights_taps_first(self) -> None:
+        """Keep each conv's weight [D, D / groups, K] in memory taps first, as [K, D / groups, D]
+        (the same values and shape, other strides): the layout the kernel reads, so its calls copy
+        nothing. The eager convolutions take either."""
+        for conv in (self.conv1d[0], self.conv1d[2]):
+            taps_first = conv.weight.detach().permute(2, 1, 0).contiguous()
+            conv.weight = nn.Parameter(taps_first.permute(2, 1, 0), requires_grad=False)
+
+    def _convs(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         keep = None if mask is None else mask[:, None, :]  # [B, 1, N]
         y = h.transpose(1, 2)  # channels first [B, D, N]
         if keep is not None:
@@ -112,9 +131,8 @@ class AudioEmbedding(nn.Module):
         self.linear = nn.Linear(latent_dim, dim)
         self.conv_pos_embed = ConvPositionEmbedding(dim)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.linear(z)
-        return h + self.conv_pos_embed(h, mask)
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None, kernels: bool = False) -> torch.Tensor:
+        return self.conv_pos_embed(self.linear(z), mask, kernels)
 
 
 class RotaryEmbedding(nn.Module):
@@ -282,6 +300,16 @@ def _swiglu_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     from .swiglu_kernel import fits
 
     return fits(x, weight)
+
+
+def _position_conv_kernel_fits(h: torch.Tensor) -> bool:
+    """Whether position_conv_kernel.py runs the audio embedding's convolutions (a GPU only: the
+    module imports triton)."""
+    if not h.is_cuda:
+        return False
+    from .position_conv_kernel import fits
+
+    return fits(h)
 
 
 def _valid_keys_first(layout, x: torch.Tensor) -> bool:
@@ -523,6 +551,11 @@ def run_single_block_kernels(block: SingleStreamBlock, h, mod, ctx):
 def run_audio_embedding(embed: "AudioEmbedding", x, target_mask):
     """The target's audio tokens: x embedded, its padded frames re-zeroed in the convolutions."""
     return embed(x, target_mask)
+
+
+def run_audio_embedding_kernels(embed: "AudioEmbedding", x, target_mask):
+    """The same with each convolution one Triton kernel on a GPU (position_conv_kernel.py)."""
+    return embed(x, target_mask, kernels=True)
 
 
 def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int):
@@ -949,4 +982,12 @@ def load_transformer(checkpoint_dir, device="cpu", dtype: torch.dtype = torch.fl
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise CheckpointError(f"{weights} does not match the DiT built from {CONFIG_FILE}: {err}") from None
+    return ready_for_inference(model)
+
+
+def ready_for_inference(model: AuKTransformer) -> AuKTransformer:
+    """A loaded DiT in eval mode without gradients; on a GPU, its position convolutions' weights laid
+    out for the kernels' path (ConvPositionEmbedding.lay_weights_taps_first)."""
+    if model.proj_out.weight.is_cuda:
+        model.audio_embed.conv_pos_embed.lay_weights_taps_first()
     return model.eval().requires_grad_(False)
