@@ -29,7 +29,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rounded_to(x, DTYPE: tl.constexpr):
+def rounded_to(x, DTYPE: tl.constexpr):
     """fp32 x rounded to DTYPE's values, kept in fp32. For bf16 by its bits (to nearest, ties to
     even): a cast there and back lets the GPU build fuse a product into the sum that follows,
     rounding once where eager rounds twice."""
@@ -46,7 +46,7 @@ def _modulated_norm(x, scale, shift, inside, width, eps, MOD_DTYPE: tl.constexpr
     mean = tl.sum(x, axis=0) / width
     centred = tl.where(inside, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / width + eps)
-    one_plus_scale = _rounded_to(1.0 + scale, MOD_DTYPE)
+    one_plus_scale = rounded_to(1.0 + scale, MOD_DTYPE)
     return centred * rstd * one_plus_scale + shift
 
 
@@ -64,7 +64,7 @@ def _residual_ln_modulate_kernel(out, h_out, h, y, gate, keep, scale, shift, h_r
     g = tl.load(gate + row * mod_row + lanes, mask=inside, other=0.0)
     # Eager's gate * y, rounded to y's dtype (both the modulation's), then the residual's sum in
     # the stream's (fp32 where the stream is: the text stream after autocast's RMSNorm).
-    gated = _rounded_to(g.to(tl.float32) * update.to(tl.float32), y.dtype.element_ty)
+    gated = rounded_to(g.to(tl.float32) * update.to(tl.float32), y.dtype.element_ty)
     new = (stream.to(tl.float32) + gated).to(stream.dtype)
     tl.store(h_out + token * width + lanes, new, mask=inside)
     s = tl.load(scale + row * mod_row + lanes, mask=inside, other=0.0).to(tl.float32)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adaln_kernel import _rounded_to
+from .adaln_kernel import rounded_to
 
 BLOCK_K = 32  # input channels per product step: the released groups' 96 in three steps
 MISH_LINEAR_ABOVE = tl.constexpr(20.0)  # where torch's softplus (so Mish) returns its input
@@ -74,7 +74,7 @@ def _position_conv_kernel(out, x, keep, weight, bias, residual, frames, channels
         acc = tl.dot(a, w, acc)
     dtype = out.dtype.element_ty
     b = tl.load(bias + first_channel + lanes_n, mask=inside_n, other=0.0).to(tl.float32)
-    y = _rounded_to(_rounded_to(acc, dtype) + b[None, :], dtype)
+    y = rounded_to(rounded_to(acc, dtype) + b[None, :], dtype)
     inside_m = rows_m < frames
     if HAS_KEEP:
         kept = tl.load(keep + row * frames + rows_m, mask=inside_m, other=0) != 0
@@ -83,7 +83,7 @@ def _position_conv_kernel(out, x, keep, weight, bias, residual, frames, channels
     at = (row.to(tl.int64) * frames + rows_m[:, None]) * channels + first_channel + lanes_n[None, :]
     stored = inside_m[:, None] & inside_n[None, :]
     if HAS_RESIDUAL:
-        y = tl.load(residual + at, mask=stored, other=0.0).to(tl.float32) + _rounded_to(y, dtype)
+        y = tl.load(residual + at, mask=stored, other=0.0).to(tl.float32) + rounded_to(y, dtype)
     tl.store(out + at, y.to(dtype), mask=stored)
 
 

@@ -1,17 +1,17 @@
-"""A test-only Triton kernel that runs adaln_kernel._rounded_to alone over a tensor (imported only
+"""A test-only Triton kernel that runs adaln_kernel.rounded_to alone over a tensor (imported only
 where triton is: a jit function finds its helpers among its module's globals)."""
 
 import triton
 import triton.language as tl
 
-from auk_triton.diffusion.adaln_kernel import _rounded_to
+from auk_triton.diffusion.adaln_kernel import rounded_to
 
 
 @triton.jit
 def _round_kernel(x, out, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
-    tl.store(out + offsets, _rounded_to(tl.load(x + offsets, mask=inside), DTYPE), mask=inside)
+    tl.store(out + offsets, rounded_to(tl.load(x + offsets, mask=inside), DTYPE), mask=inside)
 
 
 def rounded_to_bf16(x):

@@ -59,7 +59,7 @@ def compare_ops(rows: int, tokens: int, width: int, device, dtype, seed: int = 0
 
 
 def bf16_rounding(device) -> dict:
-    """The kernels' bf16 rounding by bits (adaln_kernel._rounded_to) against torch's cast, on values
+    """The kernels' bf16 rounding by bits (adaln_kernel.rounded_to) against torch's cast, on values
     that round every way: ties to even from either side, both signs, subnormals, overflow to inf."""
     from rounding_kernel import rounded_to_bf16
 
