@@ -54,6 +54,19 @@ def _take_stream(priority: int = 0) -> torch.cuda.Stream:
     raise RuntimeError(f"every pooled CUDA stream of priority {priority} is held")
 
 
+def side_stream(priority: int) -> torch.cuda.Stream:
+    """A second stream of the current device at `priority` for the calling thread, held for good:
+    where a thread forks work off its current stream (diffusion/two_streams.py). One per thread,
+    device and priority, so no two threads' captures or warm-ups ever share one."""
+    streams = getattr(_THREAD_SIDE_STREAMS, "streams", None)
+    if streams is None:
+        streams = _THREAD_SIDE_STREAMS.streams = {}
+    key = (torch.cuda.current_device(), priority)
+    if key not in streams:
+        streams[key] = _take_stream(priority)
+    return streams[key]
+
+
 def _give_back(stream: torch.cuda.Stream) -> None:
     with _HELD_LOCK:
         _HELD.discard(stream.cuda_stream)
@@ -70,10 +83,11 @@ def _stream_for_now(priority: int = 0) -> Iterator[torch.cuda.Stream]:
 
 # torch's pool of streams per priority and device (c10's kStreamsPerPool).
 STREAMS_PER_PRIORITY = 32
-# The pooled streams in use (their handles): serving threads', capture streams, and the side
-# streams of captures in progress.
+# The pooled streams in use (their handles): serving threads', capture streams, the side
+# streams of captures in progress, and threads' second streams (side_stream).
 _HELD: set[int] = set()
 _HELD_LOCK = threading.RLock()
+_THREAD_SIDE_STREAMS = threading.local()  # .streams: (device, priority) -> this thread's side_stream
 
 
 @contextmanager

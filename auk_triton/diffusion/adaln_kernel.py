@@ -51,14 +51,17 @@ def _modulated_norm(x, scale, shift, inside, width, eps, MOD_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _residual_ln_modulate_kernel(out, h_out, h, y, gate, keep, scale, shift, h_row, y_row, mod_row, tokens,
-                                 width, eps, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+def _residual_ln_modulate_kernel(out, h_out, h, y, y_bias, gate, keep, scale, shift, h_row, y_row, mod_row, tokens,
+                                 width, eps, HAS_Y_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     row = token // tokens
     lanes = tl.arange(0, BLOCK)
     inside = lanes < width
     stream = tl.load(h + token * h_row + lanes, mask=inside, other=0.0)
     update = tl.load(y + token * y_row + lanes, mask=inside, other=0.0)
+    if HAS_Y_BIAS:  # a product's bias, added and rounded as its own op (Inductor's, after a bmm)
+        b = rounded_to(tl.load(y_bias + lanes, mask=inside, other=0.0).to(tl.float32), y.dtype.element_ty)
+        update = rounded_to(update.to(tl.float32) + b, y.dtype.element_ty)
     if HAS_KEEP:
         update = tl.where(tl.load(keep + token) != 0, update, 0.0)
     g = tl.load(gate + row * mod_row + lanes, mask=inside, other=0.0)
@@ -88,10 +91,12 @@ def _check_rows(*tensors: torch.Tensor) -> None:
 @torch.library.custom_op("auk::residual_ln_modulate", mutates_args=())
 def residual_ln_modulate(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor | None,
                          scale: torch.Tensor, shift: torch.Tensor, eps: float,
-                         out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_dtype: torch.dtype,
+                         y_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The stream h [B, N, D] after its gated update, h + gate * y (y zeroed where `keep` [B, N] is
     False), and that new stream's LayerNorm(.) * (1 + scale) + shift: (modulated [B, N, D] of
-    `out_dtype`, new stream [B, N, D] in h's dtype). gate, scale and shift [B or 1, 1, D]."""
+    `out_dtype`, new stream [B, N, D] in h's dtype). gate, scale and shift [B or 1, 1, D]; `y_bias`
+    [D], where given, is added to y first (y a product whose bias is left to this kernel)."""
     rows, tokens, width = h.shape
     out, new = h.new_empty(h.shape, dtype=out_dtype), h.new_empty(h.shape)
     if h.numel() == 0:
@@ -101,15 +106,17 @@ def residual_ln_modulate(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, k
         raise ValueError("gate, scale and shift must be views of one modulation")
     if h.stride(0) != tokens * h.stride(1) or y.stride(0) != tokens * y.stride(1):
         raise ValueError("the AdaLN kernels read the stream's tokens as one run of rows")
+    if y_bias is not None and y_bias.shape != (width,):
+        raise ValueError(f"y's bias must be [{width}], got {list(y_bias.shape)}")
     keep = None if keep is None else keep.contiguous()
     _residual_ln_modulate_kernel[(rows * tokens,)](
-        out, new, h, y, gate, h if keep is None else keep, scale, shift, h.stride(1), y.stride(1),
-        _mod_row_stride(gate, rows), tokens, width, eps,
-        HAS_KEEP=keep is not None, BLOCK=triton.next_power_of_2(width), num_warps=4,
+        out, new, h, y, y if y_bias is None else y_bias.contiguous(), gate, h if keep is None else keep, scale,
+        shift, h.stride(1), y.stride(1), _mod_row_stride(gate, rows), tokens, width, eps,
+        HAS_Y_BIAS=y_bias is not None, HAS_KEEP=keep is not None, BLOCK=triton.next_power_of_2(width), num_warps=4,
     )
     return out, new
 
 
 @residual_ln_modulate.register_fake
-def _(h, y, gate, keep, scale, shift, eps, out_dtype):
+def _(h, y, gate, keep, scale, shift, eps, out_dtype, y_bias=None):
     return h.new_empty(h.shape, dtype=out_dtype), h.new_empty(h.shape)

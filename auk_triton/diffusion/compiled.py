@@ -5,8 +5,11 @@ elementwise (the norms, RoPE in fp32, the modulation, the gates and residuals),
 and compiling it whole took 63 s per shape. The blocks are compiled instead,
 one function per block kind: every double block runs through one compiled
 graph and every single block through another (their weights are inputs, not
-constants), so a shape costs two block compilations, not thirty. The embeddings,
-the joins between the stacks and the output projection stay eager: a few kernels.
+constants), so a shape costs two block compilations, not thirty. The joins between
+the stacks stay eager: a few kernels. On the block kernels' path (`block_kernels`) the
+double blocks are not compiled: on a GPU their work is the block kernels, cuBLAS and
+cuDNN already, and run as they are their text stream's kernels go on a second CUDA
+stream beside the audio stream's (two_streams.py), which Inductor's code cannot do.
 
 `dynamic=True` (the default) compiles shapes symbolically: one compilation
 serves every bucket and row count (Dynamo still specialises a single row), so
@@ -66,7 +69,7 @@ class CompileOptions:
     # instead of Inductor's fused ops and cuDNN. A CPU runs them as the eager step does.
     block_kernels: bool = True
     # The parts around the blocks (the audio embedding with its grouped convolutions, the output
-    # norm and projection) compiled too, rather than run as eager ops.
+    # norm and projection, with the target's tokens gathered) compiled too, rather than run as eager ops.
     compile_edges: bool = True
 
 
@@ -95,15 +98,17 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
             embedding = run_audio_embedding_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops
             pass
-    functions = dict(double=double, single=single)
+    functions = dict(single=single)
+    if not kernels:
+        functions["double"] = double
     if options.compile_edges:
         functions.update(audio_embedding=embedding, output=run_output)
     if options.traces_dir is not None and options.dynamic and options.backend != "eager":
         folder = Path(options.traces_dir)
-        return BlockRunners(**{name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()},
-                            kernels=kernels)
-    return BlockRunners(**{name: torch.compile(fn, **compile_kw) for name, fn in functions.items()},
-                        kernels=kernels)
+        runners = {name: PrecompiledFunction(fn, folder, compile_kw) for name, fn in functions.items()}
+    else:
+        runners = {name: torch.compile(fn, **compile_kw) for name, fn in functions.items()}
+    return BlockRunners(**{"double": double, **runners}, kernels=kernels)
 
 
 def traces_note(blocks: BlockRunners) -> str | None:

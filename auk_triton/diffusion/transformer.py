@@ -37,6 +37,7 @@ from torch import nn
 
 from . import padded_attention
 from .padded_attention import ValidFirst, attend_valid_keys, gather_tokens, key_bias, key_layout, valid_first
+from .two_streams import side_by_side
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +332,17 @@ def _activation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
+def _bias_left(linear: nn.Module) -> torch.Tensor | None:
+    """The bias that `_product` leaves to the AdaLN kernel reading its output: a plain nn.Linear's;
+    None for another module (an FP8 linear), which adds its own."""
+    return linear.bias if type(linear) is nn.Linear else None
+
+
+def _product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) less the bias `_bias_left` gives."""
+    return F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x)
+
+
 def _zero_padded_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x.masked_fill(~mask[..., None], 0.0)
 
@@ -422,7 +434,16 @@ class JointAttention(Attention):
         self.to_out_c = nn.Linear(inner, dim)
 
     def forward(self, a, c, rope_a, rope_c, key_bias, audio_mask, c_mask, kernels: bool = False, keys=None):
-        qkv_a, qkv_c = self.to_qkv(a), self.to_qkv_c(c)
+        out = self.attend(self.to_qkv(a), self.to_qkv_c(c), rope_a, rope_c, key_bias, kernels, keys)
+        na = a.shape[1]
+        out_a, out_c = self.to_out[0](out[:, :na]), self.to_out_c(out[:, na:])
+        if _adaln_kernels_run(kernels, out_a):
+            return out_a, out_c
+        return _zero_padded_rows(out_a, audio_mask), _zero_padded_rows(out_c, c_mask)
+
+    def attend(self, qkv_a, qkv_c, rope_a, rope_c, key_bias, kernels: bool = False, keys=None):
+        """Each stream's q/k/v projection [B, Na or Nc, 3I] -> the joint attention's output
+        [B, Na + Nc, I], before the output projections."""
         if kernels and _norm_rope_kernel_fits(qkv_a, self.q_norm):
             from .norm_rope_kernel import joint_norm_rope_qkv
 
@@ -443,11 +464,7 @@ class JointAttention(Attention):
             k = torch.cat([rotate(self.k_norm(ka), *rope_a), rotate(self.c_k_norm(kc), *rope_c)], dim=1)
             v = torch.cat([va, vc], dim=1)
             out = _attend(q, k, v, key_bias)
-        na = a.shape[1]
-        out_a, out_c = self.to_out[0](out[:, :na]), self.to_out_c(out[:, na:])
-        if _adaln_kernels_run(kernels, out_a):
-            return out_a, out_c
-        return _zero_padded_rows(out_a, audio_mask), _zero_padded_rows(out_c, c_mask)
+        return out
 
 
 class DoubleStreamBlock(nn.Module):
@@ -480,24 +497,43 @@ class DoubleStreamBlock(nn.Module):
         """forward() with each stream's norms, modulations and residuals in the AdaLN kernels (and
         the attention's q/k in norm_rope_kernel.py, the feed-forwards' gates in swiglu_kernel.py):
         the previous block's feed-forward updates added as the first norms read the streams, this
-        block's left pending."""
+        block's left pending. On a GPU the text stream's work runs beside the audio stream's, on a
+        second CUDA stream (two_streams.py), up to the joint attention and after it."""
         from .adaln_kernel import residual_ln_modulate
 
-        dtype = _activation_dtype(a.h)
+        dtype, attn = _activation_dtype(a.h), self.attn
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, _ = AdaLayerNormZero.parts(mod_c)  # gate_mlp: pending
         a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, _ = AdaLayerNormZero.parts(mod_x)
-        c_in, c_h = residual_ln_modulate(c.h, c.update, c.gate(), None, c_scale, c_shift,
-                                         self.attn_norm_c.norm.eps, dtype)
-        a_in, a_h = residual_ln_modulate(a.h, a.update, a.gate(), None, a_scale, a_shift,
-                                         self.attn_norm_x.norm.eps, dtype)
-        da, dc = self.attn(a_in, c_in, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, ctx.audio_mask, ctx.c_mask,
-                           True, ctx.joint_keys)
-        c_ff_in, c_h = residual_ln_modulate(c_h, dc, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
-                                            self.ff_norm_c.eps, dtype)
-        a_ff_in, a_h = residual_ln_modulate(a_h, da, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
-                                            self.ff_norm_x.eps, dtype)
-        return (PendingStream(a_h, self.ff_x(a_ff_in, True), mod_x),
-                PendingStream(c_h, self.ff_c(c_ff_in, True), mod_c))
+
+        def audio_in():
+            x, h = residual_ln_modulate(a.h, a.update, a.gate(), None, a_scale, a_shift, self.attn_norm_x.norm.eps,
+                                        dtype)
+            return attn.to_qkv(x), h
+
+        def text_in():
+            x, h = residual_ln_modulate(c.h, c.update, c.gate(), None, c_scale, c_shift, self.attn_norm_c.norm.eps,
+                                        dtype)
+            return attn.to_qkv_c(x), h
+
+        (qkv_a, a_h), (qkv_c, c_h) = side_by_side(audio_in, text_in, a.h.device)
+        out = attn.attend(qkv_a, qkv_c, ctx.rope_audio, ctx.rope_text, ctx.joint_bias, True, ctx.joint_keys)
+        na = qkv_a.shape[1]
+
+        # The output projections' biases are left to the AdaLN kernels: on these strided halves of
+        # the joint output a linear runs as a bmm, its bias as a kernel of its own.
+        def audio_out():
+            y = _product(attn.to_out[0], out[:, :na])
+            ff_in, h = residual_ln_modulate(a_h, y, a_gate, ctx.audio_mask, a_scale_mlp, a_shift_mlp,
+                                            self.ff_norm_x.eps, dtype, _bias_left(attn.to_out[0]))
+            return PendingStream(h, self.ff_x(ff_in, True), mod_x)
+
+        def text_out():
+            y = _product(attn.to_out_c, out[:, na:])
+            ff_in, h = residual_ln_modulate(c_h, y, c_gate, ctx.c_mask, c_scale_mlp, c_shift_mlp,
+                                            self.ff_norm_c.eps, dtype, _bias_left(attn.to_out_c))
+            return PendingStream(h, self.ff_c(ff_in, True), mod_c)
+
+        return side_by_side(audio_out, text_out, a.h.device)
 
 
 class SingleStreamBlock(nn.Module):
@@ -558,9 +594,12 @@ def run_audio_embedding_kernels(embed: "AudioEmbedding", x, target_mask):
     return embed(x, target_mask, kernels=True)
 
 
-def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int):
-    """The velocity of the last n tokens (the target) from the single stream's output (a tensor, or a
-    PendingStream: its update added here)."""
+def run_output(norm_out: AdaLayerNormFinal, proj_out: nn.Linear, h, mod, n: int, places=None):
+    """The velocity of the target's n tokens from the single stream's output (a tensor, or a
+    PendingStream: its update added here): its last n, or those at `places` (int64 [B, n]) of a
+    stream laid out with its valid tokens first."""
+    if places is not None:
+        h = h.gathered(places) if isinstance(h, PendingStream) else gather_tokens(h, places)
     target = h.last(n).settled() if isinstance(h, PendingStream) else h[:, -n:]
     return proj_out(norm_out.modulate(target, mod))
 
@@ -908,9 +947,8 @@ class AuKTransformer(nn.Module):
             h = PendingStream.starting(h, next(zeros), dtype)
         for block in self.single_transformer_blocks:
             h = blocks.single(block, h, next(mods), ctx)
-        if ctx.single_valid_first is not None:
-            h = h.gathered(first.target) if pending else gather_tokens(h, first.target)
-        return blocks.output(self.norm_out, self.proj_out, h, next(mods), n)
+        places = None if ctx.single_valid_first is None else first.target
+        return blocks.output(self.norm_out, self.proj_out, h, next(mods), n, places)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, time, **prepare_kwargs) -> torch.Tensor:
         """prepare() and step() together: one velocity evaluation from scratch."""

@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from auk_triton.diffusion import CompileOptions, Request, ShapeBuckets, load_sampler
+from auk_triton.diffusion.compiled import traces_note
 from auk_triton.diffusion.synthetic import write_synthetic_dit_checkpoint
 
 pytestmark = [
@@ -232,15 +233,16 @@ def test_a_restart_loads_the_blocks_saved_traces_traces_nothing_and_gives_the_sa
     torch._dynamo.reset()
     first = started()
     blocks = first.graphs.blocks
-    assert blocks.double.traced >= 1 and blocks.double.loaded == 0 and first.graphs.compile_failures == 0
+    # On a GPU the double blocks run uncompiled (compiled.py): the single blocks' traces are what is saved.
+    assert blocks.single.traced >= 1 and blocks.single.loaded == 0 and first.graphs.compile_failures == 0
     expected = velocity(first)
     torch._dynamo.reset()  # a new process, as far as Dynamo knows
     graphs_before = counters["stats"]["unique_graphs"]
     restarted = started()
     blocks = restarted.graphs.blocks
-    notes = f"{blocks.double.note()}; {blocks.single.note()}"
+    notes = traces_note(blocks)
     assert counters["stats"]["unique_graphs"] == graphs_before, f"the restart traced: {notes}"
-    assert (blocks.double.traced, blocks.single.traced) == (0, 0) and blocks.double.loaded >= 1
+    assert blocks.single.traced == 0 and blocks.single.loaded >= 1
     assert restarted.graphs.compile_failures == 0
     assert torch.equal(velocity(restarted), expected)
 
