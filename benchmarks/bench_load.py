@@ -897,12 +897,15 @@ def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> t
     values = scheduler_values(args)
     buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
     repository = None
-    if buckets is not None or values or args.decode_yields_to_dit:
+    pipeline_values = {"decode_yields_to_dit": "true"} if args.decode_yields_to_dit else {}
+    if args.no_decode_look_ahead_during_dit:
+        pipeline_values["decode_look_ahead_during_dit"] = "false"
+    if buckets is not None or values or pipeline_values:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
         repository = model_repository_copy(folder / "model_repository", buckets)
         set_model_parameters(repository / MODEL, values)
-        if args.decode_yields_to_dit:
-            set_model_parameters(repository / PIPELINE_MODEL, {"decode_yields_to_dit": "true"})
+        if pipeline_values:
+            set_model_parameters(repository / PIPELINE_MODEL, pipeline_values)
     models = PIPELINE_MODELS if args.model == "pipeline" else (MODEL,)
     options = dict(ready_timeout_s=args.ready_timeout, device="gpu" if args.device == "cuda" else "cpu",
                    model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
@@ -1155,6 +1158,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64, help="pipeline: prompt tokens (seeded stand-in embeddings)")
     parser.add_argument("--decode-yields-to-dit", action="store_true",
                         help=f"pipeline: serve {PIPELINE_MODEL} with its decode_yields_to_dit parameter on")
+    parser.add_argument("--no-decode-look-ahead-during-dit", action="store_true",
+                        help=f"pipeline: serve {PIPELINE_MODEL} with its decode_look_ahead_during_dit parameter off")
     parser.add_argument("--front-door", action="store_true",
                         help="start the server as users do (the launcher: the front door before tritonserver) and "
                              "send the load to the front door's gRPC port")
@@ -1244,8 +1249,9 @@ def parse_args() -> argparse.Namespace:
         if args.tokens < 1 or args.one_client_requests < 1 or args.capacity_clients < 0:
             parser.error("--tokens and --one-client-requests must be at least 1, --capacity-clients at least 0")
     else:
-        if args.recipe is not None or args.decode_yields_to_dit:
-            parser.error("--recipe and --decode-yields-to-dit are the pipeline's (--model pipeline)")
+        if args.recipe is not None or args.decode_yields_to_dit or args.no_decode_look_ahead_during_dit:
+            parser.error("--recipe, --decode-yields-to-dit and --no-decode-look-ahead-during-dit are the pipeline's "
+                         "(--model pipeline)")
         args.format = args.format or "pcm16"
     if args.capacity is None:
         args.capacity = args.device == "cuda" and torch.cuda.is_available()
@@ -1270,9 +1276,9 @@ def parse_args() -> argparse.Namespace:
     if args.url and args.trace:
         parser.error("--trace configures a server started here, not --url's")
     if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)
-                     or args.decode_yields_to_dit):
-        parser.error("--buckets, --batch-sizes, --batch-frames, --max-active and --decode-yields-to-dit configure a "
-                     "server started here, not --url's")
+                     or args.decode_yields_to_dit or args.no_decode_look_ahead_during_dit):
+        parser.error("--buckets, --batch-sizes, --batch-frames, --max-active, --decode-yields-to-dit and "
+                     "--no-decode-look-ahead-during-dit configure a server started here, not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
     if args.connection_per_stream is None:
@@ -1347,7 +1353,8 @@ def main() -> None:
     if args.device == "cuda":
         use_compile_cache(cache)  # the server inherits it: its buckets find what this process compiled
     pipeline = args.model == "pipeline"
-    yielding = ", the decoder yielding to the DiT" if args.decode_yields_to_dit else ""
+    yielding = (", the decoder yielding to the DiT" if args.decode_yields_to_dit else "") + (
+        ", no look-ahead while the DiT holds requests" if args.no_decode_look_ahead_during_dit else "")
     what = f"the pipeline ({args.recipe}, {args.tokens} prompt tokens{yielding})" if pipeline else "AuK"
     door = ", through the front door" if args.front_door else ""
     say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))

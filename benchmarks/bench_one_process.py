@@ -20,7 +20,10 @@ when each tile is handed over.
   wait for the GPU (`auk_pipeline` as served);
 - `one process, decode first, later windows yield`: the same, and while the sampling thread
   holds requests a stream's later windows wait for it, until their audio would run out within
-  the scheduler's slack (`auk_pipeline` with `decode_yields_to_dit`).
+  the scheduler's slack (`auk_pipeline` with `decode_yields_to_dit`);
+- `one process, decode first, no look-ahead while the DiT holds requests`: decode first, and
+  while the sampling thread holds requests the scheduler hands each replay's tiles over before
+  it picks the next (`TileScheduler.hold_look_ahead`).
 
 Per layout: one client's first audio (requests 100 ms apart), and where it goes: from a
 request's arrival, the median time at which each call of the sampling thread's step
@@ -68,7 +71,8 @@ from auk_triton.serving.scheduler import Job, TileScheduler
 from common import heading, percentile, poisson, sampler_config, say, served_graph, synthetic_checkpoint
 
 LAYOUTS = ("two processes", "one process", "one process, decode first",
-           "one process, decode first, later windows yield")
+           "one process, decode first, later windows yield",
+           "one process, decode first, no look-ahead while the DiT holds requests")
 ONE_CLIENT_GAP_S = 0.1
 HIGHEST_PRIORITY = -100  # CUDA: a lower number is a higher priority
 CAPACITY_SETTLE_S = 2.0  # the closed loop's first seconds, not counted
@@ -471,6 +475,8 @@ def run_layouts(args, checkpoint: Path, preset: str, seconds: float, tokens: int
         sampling = SamplingThread(RunsOnStream(runs, dit_stream, events), answer)
         if layout.endswith("later windows yield"):
             decoding.scheduler.yield_to = lambda sampling=sampling: sampling.busy
+        if layout.endswith("no look-ahead while the DiT holds requests"):
+            decoding.scheduler.hold_look_ahead = lambda sampling=sampling: sampling.busy
         plan = lambda request_id: sampler.plan(Request(texts[request_id % 8], seconds, request_id))  # noqa: E731
         load = Load(lambda request_id: sampling.submit(plan(request_id), request_id), events)
         say(f"{layout}:")

@@ -23,6 +23,10 @@ waits before its first audio rather than between its tiles (measured before the 
 graphs kept its priority: benchmarks/studies/dit-joined-steps.md). The graph builders after
 READY take turns (cuda_graph.GraphBuilder).
 
+With `decode_look_ahead_during_dit` off, the decoder hands each replay's tiles over before it
+picks the next while the DiT holds requests: the first windows of the DiT's requests are then
+picked as they come, not queued behind a later window already launched.
+
 With `decode_yields_to_dit`, the decoder's later windows wait a little while the DiT holds
 requests (scheduler.yields): a new request's steps then run without other clips' decoding
 ahead of them on the GPU, first windows still going first
@@ -129,10 +133,14 @@ class TritonPythonModel:
             raise RuntimeError(f"{self.name} samples each request on its sampling thread: "
                                "its config must leave join_between_steps on")
         self.settings = self.dit.settings
-        if PipelineSettings.from_model_config(json.loads(args["model_config"])).decode_yields_to_dit:
-            sampling = self.dit.sampling
+        pipeline = PipelineSettings.from_model_config(json.loads(args["model_config"]))
+        sampling = self.dit.sampling
+        if pipeline.decode_yields_to_dit:
             self.decoder.scheduler.yield_to = lambda: sampling.busy
             log("info", f"{self.name}: the decoder's later windows wait while the DiT holds requests")
+        if not pipeline.decode_look_ahead_during_dit:
+            self.decoder.scheduler.hold_look_ahead = lambda: sampling.busy
+            log("info", f"{self.name}: the decoder hands its tiles over before each pick while the DiT holds requests")
 
     def execute(self, requests):
         """Check each request and hand it to the DiT's sampling thread; return at once. The

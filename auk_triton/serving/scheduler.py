@@ -33,7 +33,11 @@ stream order, so the next replay cannot overwrite them): the GPU decodes while
 Python sends. Not when the next one only goes on with the streams whose first
 tile this iteration holds, their audio not due for a while (`deliver_first`),
 as for a request alone: launching a replay holds the thread for up to a
-millisecond, which a first tile need not wait for. A request's host-side check
+millisecond, which a first tile need not wait for. And not while another stage
+asks it not to (`hold_look_ahead`, `auk_pipeline`'s DiT while it holds requests):
+then each iteration's tiles are handed over before the next batch is picked, so a
+first window whose latents come meanwhile is picked next, not queued on the GPU
+behind a later window already launched. A request's host-side check
 (NaN and infinite values) runs while its first window decodes; a request that
 fails it, or is cancelled, leaves its batch without touching the other rows.
 
@@ -271,6 +275,9 @@ class TileScheduler:
         # Asked on the scheduler's thread before each pick (it may be set after `start`): True while
         # another stage has work for the GPU, and later windows wait (`yields`). None: never.
         self.yield_to = yield_to
+        # Asked at each iteration (it may be set after `start`): True while another stage's new
+        # requests are about to bring first windows; the scheduler does not look ahead then.
+        self.hold_look_ahead: Callable[[], bool] | None = None
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
@@ -382,6 +389,13 @@ class TileScheduler:
             last_iteration_s, began = now - began, now
             if self._queued and not self._stopping:
                 self._sweep_cancelled(max(0.001, CANCELLED_SWEEP_SHARE * last_iteration_s))
+            held = self.hold_look_ahead is not None and self.hold_look_ahead()
+            if held and in_flight is not None:  # its tiles first, then a pick that sees what came meanwhile
+                try:
+                    self._deliver(in_flight)
+                except Exception as err:
+                    self._fail_all(err)
+                in_flight = None
             with self._cond:
                 while not self._has_work() and in_flight is None:
                     if self._closing:
@@ -412,11 +426,15 @@ class TileScheduler:
                 if in_flight is not None:
                     self._deliver(in_flight)
                 in_flight = launched
-            except Exception as err:  # a fault of the scheduler's own: fail what it holds, keep serving
-                log.exception("tile scheduler iteration failed")
+            except Exception as err:
                 in_flight = None
-                for job in list(self._jobs):
-                    self._end(job, lambda job=job: job.sink.fail(err))
+                self._fail_all(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        """A fault of the scheduler's own: fail what it holds, keep serving."""
+        log.exception("tile scheduler iteration failed")
+        for job in list(self._jobs):
+            self._end(job, lambda job=job: job.sink.fail(err))
 
     def _sweep_cancelled(self, budget_s: float) -> None:
         """Ask the requests in the scheduler, round robin from where the last sweep stopped,

@@ -250,3 +250,12 @@ def test_auk_pipelines_decoder_does_not_yield_to_the_dit_as_shipped_and_does_whe
     assert PipelineSettings.from_model_config(on).decode_yields_to_dit is True
     with pytest.raises(ValueError, match="decode_yields_to_dit is 'soon'; use true or false"):
         PipelineSettings.from_model_config({"parameters": {"decode_yields_to_dit": {"string_value": "soon"}}})
+
+
+def test_auk_pipelines_decoder_looks_ahead_while_the_dit_works_as_shipped_and_not_when_asked():
+    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
+        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).decode_look_ahead_during_dit
+    off = {"parameters": {"decode_look_ahead_during_dit": {"string_value": "false"}}}
+    assert PipelineSettings.from_model_config(off).decode_look_ahead_during_dit is False
+    with pytest.raises(ValueError, match="decode_look_ahead_during_dit is 'later'; use true or false"):
+        PipelineSettings.from_model_config({"parameters": {"decode_look_ahead_during_dit": {"string_value": "later"}}})

@@ -496,6 +496,25 @@ def test_with_look_ahead_a_first_tile_leaves_before_its_stream_s_next_window_is_
     torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
 
 
+def test_while_another_stage_holds_the_look_ahead_each_replay_s_tiles_leave_before_the_next_is_picked(scheduler_of):
+    log, held = [], []
+
+    def hold() -> bool:
+        held.append(True)
+        return True
+
+    scheduler = scheduler_of(Recorded(log))
+    scheduler.look_ahead = True
+    scheduler.hold_look_ahead = hold  # as auk_pipeline's DiT does while it holds requests
+    sink = submit(scheduler, 150, 1.0, log)
+    assert sink.ended.wait(10) and sink.ending == "complete"
+    # Without the hold, the third window is launched before the second's tile is sent (the
+    # test above); with it, every tile leaves before the next pick.
+    assert log == ["decode 0", 1.0, "decode 50", 1.0, "decode 100", 1.0], log
+    assert held, "asked at each iteration"
+    torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
+
+
 def test_an_iteration_is_handed_over_first_only_when_the_next_goes_on_with_its_first_tiles_alone():
     frame_s = HOP / 1000
     slack_frames = round(DELIVER_FIRST_SLACK_S / frame_s)
