@@ -34,8 +34,9 @@ stepped eagerly in bf16: the relative L2 of the latents.
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_dit_step.py --small    # smoke test on a CPU: tiny dims, no graphs
 
 `--profile` adds, per batch, where the compiled step's GPU time goes (torch's
-profiler over a few calls of the step: kernel time by kind, kernels per step, the
-longest kernels), the table of the diffusion issue. `--inductor KEY=VALUE` sets an
+profiler over a few replays of the step's CUDA graph, as measured: kernel time by kind,
+kernels per step, the time the GPU ran a kernel and the time it ran none, the longest
+kernels), the table of the diffusion issue. `--inductor KEY=VALUE` sets an
 Inductor option (`torch._inductor.config`) for the compiled step, to weigh one.
 `--request` instead times one flash request as `auk_dit` samples it on a GPU, phase
 by phase (its checks, its context, the steps, the whole run), and one full garbage
@@ -69,6 +70,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -156,8 +158,9 @@ def step_flops(fn) -> float:
     return float(counter.get_total_flops())
 
 
-def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
-    """(ms per step, seconds to build, velocity): a CUDA graph's replays on a GPU, calls on a CPU.
+def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor, Callable[[], object]]:
+    """(ms per step, seconds to build, velocity, what was timed): a CUDA graph's replays on a GPU,
+    calls on a CPU.
 
     Building is the first call (a compiled step compiles then) and, on a GPU, the capture."""
     began = time.perf_counter()
@@ -169,12 +172,12 @@ def measure(fn, device, iters: int) -> tuple[float, float, torch.Tensor]:
             began = time.perf_counter()
             fn()
             times.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(times), built, out
+        return statistics.median(times), built, out, fn
     torch.cuda.synchronize()
     graph, out = capture(fn, warmups=1)
     torch.cuda.synchronize()
     built = time.perf_counter() - began
-    return median_ms(graph.replay, iters=iters), built, out.clone()
+    return median_ms(graph.replay, iters=iters), built, out.clone(), graph.replay
 
 
 # Kernel kinds by name, first match wins: Inductor's generated Triton kernels (its fused
@@ -200,21 +203,45 @@ def kernel_kind(name: str) -> str:
     return "elementwise, norms, copies, casts"
 
 
-def kernel_profile(fn, calls: int = 5, top: int = 12) -> list[str]:
-    """Where one step's GPU time goes: torch's profiler over `calls` calls of `fn` (not graphed:
-    a graph replays the same kernels), per step. Markdown lines."""
-    fn()
+def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """Kernels' (start, end) on one clock -> (the time at least one ran, the time between the first
+    start and the last end when none did). Kernels on two streams overlap: their sum is not the
+    time they took."""
+    busy = idle = 0.0
+    reach = None  # the latest end so far
+    for start, end in sorted(spans):
+        if reach is None or start >= reach:
+            idle += 0.0 if reach is None else start - reach
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy, idle
+
+
+def kernel_profile(replay, calls: int = 5, top: int = 12) -> list[str]:
+    """Where one step's GPU time goes: torch's profiler over `calls` calls of `replay` (the CUDA
+    graph's replay that was timed: un-graphed calls run the same kernels slower and with launch
+    gaps between them), per step. Markdown lines."""
+    replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+            replay()
+            torch.cuda.synchronize()  # each replay alone, so the idle time is the step's own
     kernels: dict[str, list[float]] = {}  # name -> [microseconds, count], all calls
-    for event in prof.events():
+    spans = []
+    for event in sorted(prof.events(), key=lambda event: event.time_range.start):
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             entry = kernels.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total
             entry[1] += 1
+            spans.append((event.time_range.start, event.time_range.end))
+    # Every replay runs the same kernels, one replay after the other.
+    per_replay = len(spans) // calls
+    busy, idle = (sum(part) / calls for part in zip(*(busy_and_idle(spans[i * per_replay:(i + 1) * per_replay])
+                                                       for i in range(calls))))
     by_kind: dict[str, list[float]] = {}
     for name, (us, count) in kernels.items():
         entry = by_kind.setdefault(kernel_kind(name), [0.0, 0])
@@ -222,7 +249,8 @@ def kernel_profile(fn, calls: int = 5, top: int = 12) -> list[str]:
         entry[1] += count
     total_us = sum(us for us, _ in by_kind.values())
     lines = [f"kernels per step {sum(c for _, c in kernels.values()) / calls:.0f}, "
-             f"kernel time {total_us / calls / 1e3:.2f} ms per step", "",
+             f"kernel time {total_us / calls / 1e3:.2f} ms per step; a kernel running {busy / 1e3:.2f} ms, "
+             f"none between them {idle / 1e3:.2f} ms", "",
              "| kernel kind | ms per step | share | kernels per step |", "| --- | --- | --- | --- |"]
     for kind, (us, count) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
         lines.append(f"| {kind} | {us / calls / 1e3:.2f} | {us / total_us:.0%} | {count / calls:.0f} |")
@@ -508,13 +536,13 @@ def main() -> None:
                 except Exception as err:  # a variant that fails to build is reported; the others are measured
                     say(f"  batch {batch}, {name}: FAILED: {type(err).__name__}: {str(err)[:300]}")
             reference = results[PATHS[1]][2].float()
-            for name, (ms, built, out) in results.items():
+            for name, (ms, built, out, _) in results.items():
                 rows.append((batch, name, ms, flops[name] / (ms / 1e3) / 1e12, rel_l2(out.float(), reference), built))
                 say(f"  batch {batch}, {name}: {ms:.2f} ms, built in {built:.1f} s")
             if args.profile and device.type == "cuda":
                 for name in (PATHS[2], FP8_PATH, *other_blocks):
                     if name in results:
-                        profiles[(batch, name)] = kernel_profile(fns[name])
+                        profiles[(batch, name)] = kernel_profile(results[name][3])
 
     say()
     say(f"| batch | step | ms per step | TFLOP/s | rel. L2 vs the eager step ({dtype}) | compile + capture s |")

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_dit_step import busy_and_idle  # noqa: E402
 
 
 def test_the_step_benchmark_prints_a_row_per_batch_and_step_with_the_compiled_step_on_the_eager_ones_numbers():
@@ -29,3 +32,12 @@ def test_the_step_benchmark_prints_a_row_per_batch_and_step_with_the_compiled_st
     assert float(rows[2][4]) == float(rows[4][4]) == float(rows[5][4]) == 0.0
     assert float(rows[0][4]) < 1e-5, "the table holds what the step computed (fp32)"
     assert 0.0 < float(rows[3][4]) < 0.2, "FP8's rounding shows, within reason"
+
+
+def test_the_profiles_busy_time_counts_overlapping_kernels_once_and_idle_time_only_between_kernels():
+    # Two streams: the second kernel runs inside the first, the third starts before the first
+    # ends; then 2 us with none, and a last kernel.
+    spans = [(0.0, 10.0), (2.0, 5.0), (8.0, 12.0), (14.0, 15.0)]
+    assert busy_and_idle(spans) == (13.0, 2.0)
+    assert busy_and_idle(list(reversed(spans))) == (13.0, 2.0)  # in any order
+    assert busy_and_idle([]) == (0.0, 0.0)
