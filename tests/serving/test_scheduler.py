@@ -8,6 +8,7 @@ with its own samples. The served scheduler is tested against the real server in
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -513,6 +514,24 @@ def test_while_another_stage_holds_the_look_ahead_each_replay_s_tiles_leave_befo
     assert log == ["decode 0", 1.0, "decode 50", 1.0, "decode 100", 1.0], log
     assert held, "asked at each iteration"
     torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
+
+
+def test_streams_stay_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns(scheduler_of):
+    # Held for two iterations of every three, as the DiT takes and ends requests: the scheduler
+    # switches between handing tiles over first and launching ahead (tests/serving/
+    # test_scheduler_gpu.py does the same where the host copies are asynchronous).
+    scheduler = scheduler_of(StandInDecoder(capacity=2))
+    scheduler.look_ahead = True
+    turns = itertools.count()
+    scheduler.hold_look_ahead = lambda: next(turns) % 3 != 0
+    sinks = [RecordingSink([], float(tag)) for tag in range(1, 7)]
+    for sink in sinks:
+        scheduler.submit(Job(clip(200, sink.tag), sink))
+    for sink in sinks:
+        assert sink.ended.wait(10) and sink.ending == "complete", sink.ending
+        starts = [start for start, _ in sink.tiles]
+        assert starts == sorted(starts) and len(starts) == 20, starts
+        torch.testing.assert_close(sink.waveform(), expected_waveform(200), rtol=0, atol=0)
 
 
 def test_an_iteration_is_handed_over_first_only_when_the_next_goes_on_with_its_first_tiles_alone():

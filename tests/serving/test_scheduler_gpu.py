@@ -1,7 +1,10 @@
 """The tile scheduler on CUDA (skipped without a GPU), with the stand-in decode of
-`test_scheduler.py`: a job handed over while another stream still makes its latents."""
+`test_scheduler.py`: a job handed over while another stream still makes its latents; streams
+while the look-ahead is held and let go in turns."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -35,5 +38,30 @@ def test_a_job_handed_over_before_its_latents_are_made_decodes_them_once_made_on
         del latents  # the scheduler keeps them, recorded on its own stream
         assert sink.ended.wait(30) and sink.ending == "complete", sink.ending
         torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
+    finally:
+        scheduler.close(drain_s=5)
+
+
+def test_every_stream_stays_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns():
+    # As auk_pipeline's DiT takes and ends requests: held for two iterations of every three, so
+    # the scheduler switches between handing tiles over first and launching ahead, on a GPU where
+    # the look-ahead's host copies are asynchronous.
+    device = torch.device("cuda", 0)
+    scheduler = TileScheduler(StandInDecoder(capacity=2), device, sample_rate=1000, hop_size=HOP, max_active=8,
+                              max_queued=0)
+    turns = itertools.count()
+    scheduler.hold_look_ahead = lambda: next(turns) % 3 != 0
+    assert scheduler.look_ahead, "a GPU decodes ahead"
+    scheduler.start()
+    try:
+        sinks = [RecordingSink([], float(tag)) for tag in range(1, 7)]
+        for sink in sinks:
+            scheduler.submit(Job(clip(200, sink.tag).to(device), sink))
+        for sink in sinks:
+            assert sink.ended.wait(30) and sink.ending == "complete", sink.ending
+            starts = [start for start, _ in sink.tiles]
+            assert starts == sorted(starts) and len(starts) == 20, starts
+            torch.testing.assert_close(sink.waveform(), expected_waveform(200), rtol=0, atol=0)
+        assert next(turns) > 20, "the hold was asked at each iteration"
     finally:
         scheduler.close(drain_s=5)
