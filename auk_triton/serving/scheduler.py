@@ -390,12 +390,6 @@ class TileScheduler:
             if self._queued and not self._stopping:
                 self._sweep_cancelled(max(0.001, CANCELLED_SWEEP_SHARE * last_iteration_s))
             held = self.hold_look_ahead is not None and self.hold_look_ahead()
-            if held and in_flight is not None:  # its tiles first, then a pick that sees what came meanwhile
-                try:
-                    self._deliver(in_flight)
-                except Exception as err:
-                    self._fail_all(err)
-                in_flight = None
             with self._cond:
                 while not self._has_work() and in_flight is None:
                     if self._closing:
@@ -415,26 +409,22 @@ class TileScheduler:
             for job in asked:  # a tile of theirs still in flight is dropped on delivery
                 self._end(job, job.sink.stop)
             try:
-                if in_flight is not None and deliver_first(in_flight.first_tiles(), batch,
-                                                           self.hop_size / self.sample_rate):
+                if in_flight is not None and (held or deliver_first(in_flight.first_tiles(), batch,
+                                                                    self.hop_size / self.sample_rate)):
                     self._deliver(in_flight)
                     in_flight = None
                 launched = self._launch(batch) if batch else None
-                if launched is not None and not self.look_ahead:
+                if launched is not None and (held or not self.look_ahead):  # held: the next pick comes after
                     self._deliver(launched)
                     launched = None
                 if in_flight is not None:
                     self._deliver(in_flight)
                 in_flight = launched
-            except Exception as err:
+            except Exception as err:  # a fault of the scheduler's own: fail what it holds, keep serving
+                log.exception("tile scheduler iteration failed")
                 in_flight = None
-                self._fail_all(err)
-
-    def _fail_all(self, err: Exception) -> None:
-        """A fault of the scheduler's own: fail what it holds, keep serving."""
-        log.exception("tile scheduler iteration failed")
-        for job in list(self._jobs):
-            self._end(job, lambda job=job: job.sink.fail(err))
+                for job in list(self._jobs):
+                    self._end(job, lambda job=job: job.sink.fail(err))
 
     def _sweep_cancelled(self, budget_s: float) -> None:
         """Ask the requests in the scheduler, round robin from where the last sweep stopped,
