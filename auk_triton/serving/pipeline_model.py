@@ -24,8 +24,9 @@ graphs kept its priority: benchmarks/studies/dit-joined-steps.md). The graph bui
 READY take turns (cuda_graph.GraphBuilder).
 
 With `decode_look_ahead_during_dit` off, the decoder hands each replay's tiles over before it
-picks the next while the DiT holds requests: the first windows of the DiT's requests are then
-picked as they come, not queued behind a later window already launched.
+picks the next while the DiT holds requests (unless a stream's next window is due soon): the
+first windows of the DiT's requests are then picked as they come, not queued behind a later
+window already launched.
 
 With `decode_yields_to_dit`, the decoder's later windows wait a little while the DiT holds
 requests (scheduler.yields): a new request's steps then run without other clips' decoding

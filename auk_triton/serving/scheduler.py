@@ -37,7 +37,9 @@ millisecond, which a first tile need not wait for. And not while another stage
 asks it not to (`hold_look_ahead`, `auk_pipeline`'s DiT while it holds requests):
 then each iteration's tiles are handed over before the next batch is picked, so a
 first window whose latents come meanwhile is picked next, not queued on the GPU
-behind a later window already launched. A request's host-side check
+behind a later window already launched. A batch with a window due soon (order 1)
+looks ahead all the same: held at saturation, the decoder's stream would idle through
+every send, and the streams would fall further behind their audio. A request's host-side check
 (NaN and infinite values) runs while its first window decodes; a request that
 fails it, or is cancelled, leaves its batch without touching the other rows.
 
@@ -408,6 +410,7 @@ class TileScheduler:
                 continue
             for job in asked:  # a tile of theirs still in flight is dropped on delivery
                 self._end(job, job.sink.stop)
+            held = held and not any(job.taken_ahead for job in batch)  # a stream about to run out: look ahead
             try:
                 if in_flight is not None and (held or deliver_first(in_flight.first_tiles(), batch,
                                                                     self.hop_size / self.sample_rate)):

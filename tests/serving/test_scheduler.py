@@ -516,11 +516,29 @@ def test_while_another_stage_holds_the_look_ahead_each_replay_s_tiles_leave_befo
     torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
 
 
-def test_streams_stay_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns(scheduler_of):
+def test_a_window_due_soon_keeps_the_look_ahead_while_another_stage_holds_it(scheduler_of, monkeypatch):
+    # Every later window due soon, as at saturation: the hold gives way, and the replays
+    # queue back to back as without it (the look-ahead test above), not one per send.
+    monkeypatch.setattr(scheduler_module, "DUE_SOON_S", 1e9)
+    log = []
+    scheduler = scheduler_of(Recorded(log))
+    scheduler.look_ahead = True
+    scheduler.hold_look_ahead = lambda: True
+    sink = submit(scheduler, 150, 1.0, log)
+    assert sink.ended.wait(10) and sink.ending == "complete"
+    assert log == ["decode 0", 1.0, "decode 50", "decode 100", 1.0, 1.0], log
+    torch.testing.assert_close(sink.waveform(), expected_waveform(150), rtol=0, atol=0)
+
+
+def test_streams_stay_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns(scheduler_of,
+                                                                                          monkeypatch):
     # Held for two iterations of every three, as the DiT takes and ends requests: the scheduler
     # switches between handing tiles over first and launching ahead (tests/serving/
-    # test_scheduler_gpu.py does the same where the host copies are asynchronous).
-    scheduler = scheduler_of(StandInDecoder(capacity=2))
+    # test_scheduler_gpu.py does the same where the host copies are asynchronous). The stand-in's
+    # windows hold 40 ms of audio: every later window would be due soon, and look ahead. Each
+    # replay holds all six streams, so two replays handed over out of order show in each stream.
+    monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)
+    scheduler = scheduler_of(StandInDecoder(capacity=6))
     scheduler.look_ahead = True
     turns = itertools.count()
     scheduler.hold_look_ahead = lambda: next(turns) % 3 != 0

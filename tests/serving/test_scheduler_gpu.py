@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from auk_triton.serving import scheduler as scheduler_module
 from auk_triton.serving.scheduler import Job, TileScheduler
 
 from test_scheduler import HOP, RecordingSink, StandInDecoder, clip, expected_waveform  # beside this file
@@ -42,12 +43,14 @@ def test_a_job_handed_over_before_its_latents_are_made_decodes_them_once_made_on
         scheduler.close(drain_s=5)
 
 
-def test_every_stream_stays_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns():
+def test_every_stream_stays_exact_and_in_order_while_the_look_ahead_is_held_and_let_go_in_turns(monkeypatch):
     # As auk_pipeline's DiT takes and ends requests: held for two iterations of every three, so
     # the scheduler switches between handing tiles over first and launching ahead, on a GPU where
-    # the look-ahead's host copies are asynchronous.
+    # the look-ahead's host copies are asynchronous. The stand-in's windows hold 40 ms of audio:
+    # every later window would be due soon, and look ahead. Each replay holds all six streams.
+    monkeypatch.setattr(scheduler_module, "DUE_SOON_S", -1e9)
     device = torch.device("cuda", 0)
-    scheduler = TileScheduler(StandInDecoder(capacity=2), device, sample_rate=1000, hop_size=HOP, max_active=8,
+    scheduler = TileScheduler(StandInDecoder(capacity=6), device, sample_rate=1000, hop_size=HOP, max_active=8,
                               max_queued=0)
     turns = itertools.count()
     scheduler.hold_look_ahead = lambda: next(turns) % 3 != 0
