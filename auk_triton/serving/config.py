@@ -366,9 +366,9 @@ class PipelineSettings:
     # The decoder launches its next replay before the last one's tiles are handed over while
     # the DiT holds requests too. False: then it hands them over first and picks the next batch
     # after (scheduler.TileScheduler.hold_look_ahead), so the first windows the DiT's requests
-    # bring are picked as they come, not queued behind a later window already launched. In one
-    # process that took a tenth off the open loop's first audio p99 at the same capacity; not
-    # measured served, where handing tiles over costs more (benchmarks/studies/pipeline-open-loop-tail.md).
+    # bring are picked as they come, not queued behind a later window already launched. Served,
+    # that lowered the open loop's first audio p99, but at saturation a few streams fell behind
+    # their audio (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_look_ahead_during_dit: bool = True
 
     @classmethod
