@@ -277,8 +277,8 @@ class TileScheduler:
         # Asked on the scheduler's thread before each pick (it may be set after `start`): True while
         # another stage has work for the GPU, and later windows wait (`yields`). None: never.
         self.yield_to = yield_to
-        # Asked at each iteration (it may be set after `start`): True while another stage's new
-        # requests are about to bring first windows; the scheduler does not look ahead then.
+        # Asked at each iteration, after its pick (it may be set after `start`): True while another
+        # stage's new requests are about to bring first windows; the scheduler does not look ahead then.
         self.hold_look_ahead: Callable[[], bool] | None = None
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
@@ -391,7 +391,6 @@ class TileScheduler:
             last_iteration_s, began = now - began, now
             if self._queued and not self._stopping:
                 self._sweep_cancelled(max(0.001, CANCELLED_SWEEP_SHARE * last_iteration_s))
-            held = self.hold_look_ahead is not None and self.hold_look_ahead()
             with self._cond:
                 while not self._has_work() and in_flight is None:
                     if self._closing:
@@ -410,7 +409,9 @@ class TileScheduler:
                 continue
             for job in asked:  # a tile of theirs still in flight is dropped on delivery
                 self._end(job, job.sink.stop)
-            held = held and not any(job.taken_ahead for job in batch)  # a stream about to run out: look ahead
+            # Asked after the pick, not before a wait for work; a stream about to run out looks ahead.
+            held = (self.hold_look_ahead is not None and self.hold_look_ahead()
+                    and not any(job.taken_ahead for job in batch))
             try:
                 if in_flight is not None and (held or deliver_first(in_flight.first_tiles(), batch,
                                                                     self.hop_size / self.sample_rate)):
