@@ -91,9 +91,10 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
         try:
             # Imported here: their ops are registered before a saved trace that calls them is loaded.
             from . import adaln_kernel, norm_rope_kernel, position_conv_kernel, swiglu_kernel  # noqa: F401
-            from .padded_attention import cudnn_sdpa_registered
+            from .padded_attention import cudnn_sdpa_registered, flash4_registered
 
-            cudnn_sdpa_registered()  # the same for cuDNN's attention op, where the package is there
+            cudnn_sdpa_registered()  # the same for the attention ops, where their packages are there
+            flash4_registered()
             double, single, kernels = run_double_block_kernels, run_single_block_kernels, True
             embedding = run_audio_embedding_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops

@@ -18,9 +18,11 @@ another summation order.
   other op of a single block works token by token, so in that layout the blocks' v needs
   no copy, and the valid tokens' squeezed rotary positions are their places: 0, 1, 2...
 
-cuDNN's padding mask is reached through the `cudnn` package (NVIDIA's cuDNN frontend), whose
-op is traced by torch.compile and captured in CUDA graphs, and whose plans are built on the
-first call of each shape, at warm-up. Without it, or off a GPU, `attend_valid_keys` masks
+Two kernels take a key count per row: FlashAttention 4's `seqused_k` (flash4_attention.py),
+preferred where its package is installed and the GPU is one it is built for, and cuDNN's
+padding mask, reached through the `cudnn` package (NVIDIA's cuDNN frontend). Both are torch
+ops, traced by torch.compile and captured in CUDA graphs, their kernels or plans made on the
+first call of each shape, at warm-up. Without either, or off a GPU, `attend_valid_keys` masks
 with a bias made from the counts: the same result, used by the CPU tests.
 """
 
@@ -103,18 +105,75 @@ def cudnn_sdpa_registered() -> bool:
     return _registered
 
 
+_flash4: bool | None = None  # whether FlashAttention 4 serves this process's GPU; None: not looked yet
+_flash4_refused = ""  # why not, where its package is installed
+
+
+def flash4_registered() -> bool:
+    """Whether FlashAttention 4's op (flash4_attention.py) serves this process's GPU: registered by
+    the first call, as `cudnn_sdpa_registered`, and checked there once against the masked attention
+    on a small case (its kernels are built for CUDA 13 drivers and Hopper or Blackwell; anything
+    else leaves cuDNN's padding mask serving). A plain global for compiled code."""
+    global _flash4, _flash4_refused
+    if _flash4 is None:
+        _flash4 = False
+        try:
+            from .flash4_attention import ARCHITECTURES  # registers torch.ops.auk.flash4_valid_keys
+        except Exception:  # not installed, or its libraries cannot load
+            return _flash4
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHITECTURES:
+            _flash4_refused = "not built for this GPU"
+            return _flash4
+        try:
+            _flash4 = _flash4_matches_the_masked_attention()
+            _flash4_refused = "" if _flash4 else "its check against the masked attention failed"
+        except Exception as error:  # a driver too old for its code, say
+            _flash4_refused = f"its check failed: {type(error).__name__}: {error}"
+    return _flash4
+
+
+def _flash4_matches_the_masked_attention() -> bool:
+    """One small bf16 case through FlashAttention 4 against torch's SDPA with the key bias."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 160, 2, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for _ in range(3))
+    counts = torch.tensor([160, 97], dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        got = torch.ops.auk.flash4_valid_keys(q, k, v, counts).float()
+        keep = torch.arange(160, device="cuda") < counts[:, None]
+        want = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)),
+                                              attn_mask=key_bias(keep, torch.float32)).transpose(1, 2)
+    return bool((got - want).abs().max() <= 2 ** -6)  # bf16's rounding of values of order 1
+
+
 def available(device: torch.device) -> bool:
-    """Whether cuDNN's padding mask serves attention on `device`: a GPU and the cudnn package."""
-    return torch.device(device).type == "cuda" and cudnn_sdpa_registered()
+    """Whether a kernel with a key count per row serves attention on `device`: a GPU and the
+    flash-attn-4 or the cudnn package."""
+    device = torch.device(device)
+    return device.type == "cuda" and (cudnn_sdpa_registered() or flash4_registered())
+
+
+def attention_kernel(device: torch.device) -> str:
+    """Which kernel masks a padded run's attention on `device`: "flash4", "cudnn" or "key_bias".
+    Compiled code calls the one chosen when it was traced: a saved trace is keyed by it."""
+    if torch.device(device).type != "cuda":
+        return "key_bias"
+    if flash4_registered():
+        return "flash4"
+    return "cudnn" if cudnn_sdpa_registered() else "key_bias"
 
 
 def masked_attention(device: torch.device) -> str:
     """How the compiled step masks a padded run's attention on `device`, for the log."""
-    if available(device):
-        return "cuDNN's padding mask, each row's valid keys first"
+    kernel = attention_kernel(device)
+    refused = f"; FlashAttention 4: {_flash4_refused}" if _flash4_refused else ""
+    if kernel == "flash4":
+        return "FlashAttention 4's key counts, each row's valid keys first"
+    if kernel == "cudnn":
+        return f"cuDNN's padding mask, each row's valid keys first{refused}"
     if torch.device(device).type != "cuda":
-        return "additive key biases (cuDNN's padding mask is for GPUs)"
-    return "additive key biases (no cudnn package: requirements-gpu.txt brings cuDNN's padding mask)"
+        return "additive key biases (the kernels taking key counts are for GPUs)"
+    return f"additive key biases (no flash-attn-4 or cudnn package: requirements-gpu.txt brings them{refused})"
 
 
 def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,
@@ -122,6 +181,8 @@ def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
     """q [B, N, H, Dh]; k, v [B, N, H, Dh] with row b's valid keys at its first counts[b] places
     (int32 [B]); queries int32 [B], all N -> [B, N, H * Dh], attending to those keys alone (scale
     1/sqrt(Dh))."""
+    if q.is_cuda and flash4_registered():
+        return torch.ops.auk.flash4_valid_keys(q, k, v, counts).flatten(2)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if q.is_cuda and cudnn_sdpa_registered():
         out, _ = torch.ops.cudnn.sdpa_fwd(qt, kt, vt, q.shape[-1] ** -0.5, seq_len_q=queries, seq_len_kv=counts,

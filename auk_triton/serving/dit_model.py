@@ -49,7 +49,7 @@ from auk_triton.cuda_graph import BuildReport
 from auk_triton.diffusion import CompileOptions, SamplingStopped, load_sampler
 from auk_triton.diffusion.compiled import INDUCTOR_OPTIONS, traces_note
 from auk_triton.diffusion.joined import JoinedRuns
-from auk_triton.diffusion.padded_attention import masked_attention
+from auk_triton.diffusion.padded_attention import attention_kernel, masked_attention
 
 from .checkpoints import resolve_checkpoint
 from .artifacts import precompiled_blocks_dir, use_artifacts
@@ -85,7 +85,7 @@ class TritonPythonModel:
                                       lambda text: log("info", f"{self.name}: {text}"))
             # The blocks' traces are kept beside the compile caches, keyed by what they were traced with.
             traced_with = {"dtype": settings.dtype, "compile": CompileOptions(), "inductor": INDUCTOR_OPTIONS,
-                           "fp8_linears": settings.fp8_linears}
+                           "fp8_linears": settings.fp8_linears, "attention": attention_kernel(self.device)}
             options = CompileOptions(traces_dir=precompiled_blocks_dir(artifacts, checkpoint, traced_with))
         # A missing auk.safetensors (or config.json) fails the load with the file's name.
         self.sampler = load_sampler(

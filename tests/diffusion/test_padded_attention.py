@@ -2,11 +2,15 @@
 
 On a CPU: the key slots and the layout a context carries, and the attention over keys moved to
 their slots (the bias made from the counts) against the masked attention over keys where they
-were. On a GPU: cuDNN's padding mask against torch's SDPA with the key bias, eager, compiled and
-replayed from a CUDA graph whose counts change after capture.
+were. On a GPU: each kernel with a key count per row (FlashAttention 4's, cuDNN's) against torch's
+SDPA with the key bias, eager, compiled and replayed from a CUDA graph whose counts change after
+capture.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
@@ -98,43 +102,86 @@ def test_a_padded_context_carries_the_joint_key_layout_and_the_single_stream_lai
     assert type(half.single_valid_first) is type(first)
 
 
-def test_without_the_cudnn_package_or_off_a_gpu_the_key_bias_serves_the_attention_and_the_log_says_so(
+def test_without_the_packages_or_off_a_gpu_the_key_bias_serves_the_attention_and_the_log_says_so(
         monkeypatch):
     assert not padded_attention.available(torch.device("cpu"))
+    assert padded_attention.attention_kernel(torch.device("cpu")) == "key_bias"
     assert "for GPUs" in padded_attention.masked_attention(torch.device("cpu"))
-    monkeypatch.setattr(padded_attention, "_registered", False)  # a GPU without the package
+    monkeypatch.setattr(padded_attention, "_registered", False)  # a GPU without the packages
+    monkeypatch.setattr(padded_attention, "_flash4", False)
     assert not padded_attention.available(torch.device("cuda"))
     assert "requirements-gpu.txt" in padded_attention.masked_attention(torch.device("cuda"))
 
 
-needs_cudnn_sdpa = pytest.mark.skipif(not (HAS_CUDA and padded_attention.cudnn_sdpa_registered()),
-                                      reason="needs a CUDA GPU and the cudnn package")
+def _failing_check():
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+@pytest.mark.parametrize("capability, check, reason", [
+    ((8, 0), lambda: True, "not built for this GPU"),
+    ((9, 0), lambda: False, "its check against the masked attention failed"),
+    ((9, 0), _failing_check, "RuntimeError: no kernel image"),
+])
+def test_flashattention_4_refused_on_a_gpu_leaves_cudnns_padding_mask_and_the_log_says_why(
+        monkeypatch, capability, check, reason):
+    stand_in = types.ModuleType("auk_triton.diffusion.flash4_attention")  # its package installed
+    stand_in.ARCHITECTURES = (9, 10)
+    monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
+    monkeypatch.setattr(padded_attention, "_flash4_matches_the_masked_attention", check)
+    monkeypatch.setattr(padded_attention, "_flash4", None)
+    monkeypatch.setattr(padded_attention, "_flash4_refused", "")
+    monkeypatch.setattr(padded_attention, "_registered", True)  # cuDNN's op there
+    assert not padded_attention.flash4_registered()
+    assert padded_attention.attention_kernel(torch.device("cuda")) == "cudnn"
+    log = padded_attention.masked_attention(torch.device("cuda"))
+    assert log.startswith("cuDNN's padding mask") and reason in log
+    monkeypatch.setattr(padded_attention, "_registered", False)
+    assert padded_attention.attention_kernel(torch.device("cuda")) == "key_bias"
+    assert reason in padded_attention.masked_attention(torch.device("cuda"))
+
+
+KERNELS = {  # each kernel with a key count per row, and whether it can run here
+    "flash4": HAS_CUDA and padded_attention.flash4_registered(),
+    "cudnn": HAS_CUDA and padded_attention.cudnn_sdpa_registered(),
+}
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request, monkeypatch):
+    """Each kernel in turn, the other switched off, skipped where its package or a GPU is missing."""
+    if not KERNELS[request.param]:
+        pytest.skip(f"needs a CUDA GPU and the {request.param} kernel's package")
+    if request.param == "cudnn":
+        monkeypatch.setattr(padded_attention, "_flash4", False)
+    assert padded_attention.attention_kernel(torch.device("cuda")) == request.param
+    return request.param
 
 
 @pytest.mark.gpu
-@needs_cudnn_sdpa
 @pytest.mark.parametrize("rows", [1, 16])
-def test_cudnns_padding_mask_gives_the_masked_attention_on_a_gpu(rows):
+def test_each_kernels_key_counts_give_the_masked_attention_on_a_gpu(kernel, rows):
     q, k, v, valid = _case(rows, 564, 24, 64, "cuda", torch.bfloat16)  # the released heads, a 10 s bucket
     slots, counts, queries = key_layout(valid)
     with torch.inference_mode():
         got = attend_valid_keys(q, _moved(k, slots), _moved(v, slots), counts, queries)
         want = _masked(q, k, v, valid)
         exact = _masked(q.float(), k.float(), v.float(), valid)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
     # Within bf16's rounding of the fp32 attention, as torch's masked kernel is.
     assert (got.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max() + 2 ** -9
 
 
 @pytest.mark.gpu
-@needs_cudnn_sdpa
-def test_cudnns_padding_mask_is_compiled_and_replayed_with_the_counts_a_run_copies_in():
+def test_each_kernel_is_compiled_and_replayed_with_the_counts_a_run_copies_in(kernel):
     q, k, v, valid = _case(4, 96, 24, 64, "cuda", torch.bfloat16)
     slots, counts, queries = key_layout(valid)
     k, v = _moved(k, slots), _moved(v, slots)
     compiled = torch.compile(attend_valid_keys, fullgraph=True, dynamic=True)
     held = counts.clone()
     with torch.inference_mode():
-        compiled(q, k, v, held, queries)  # compiles, and builds cuDNN's plan outside the capture
+        compiled(q, k, v, held, queries)  # compiles, and builds the kernel or plan outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = compiled(q, k, v, held, queries)
