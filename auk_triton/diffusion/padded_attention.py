@@ -140,17 +140,14 @@ def _flash4_matches_the_masked_attention() -> bool:
     counts = torch.tensor([160, 97], dtype=torch.int32, device="cuda")
     with torch.inference_mode():
         got = torch.ops.auk.flash4_valid_keys(q, k, v, counts).float()
-        keep = torch.arange(160, device="cuda") < counts[:, None]
-        want = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)),
-                                              attn_mask=key_bias(keep, torch.float32)).transpose(1, 2)
+        want = _key_bias_attention(*(t.float().transpose(1, 2) for t in (q, k, v)), counts).transpose(1, 2)
     return bool((got - want).abs().max() <= 2 ** -6)  # bf16's rounding of values of order 1
 
 
 def available(device: torch.device) -> bool:
     """Whether a kernel with a key count per row serves attention on `device`: a GPU and the
     flash-attn-4 or the cudnn package."""
-    device = torch.device(device)
-    return device.type == "cuda" and (cudnn_sdpa_registered() or flash4_registered())
+    return attention_kernel(device) != "key_bias"
 
 
 def attention_kernel(device: torch.device) -> str:
@@ -188,6 +185,12 @@ def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
         out, _ = torch.ops.cudnn.sdpa_fwd(qt, kt, vt, q.shape[-1] ** -0.5, seq_len_q=queries, seq_len_kv=counts,
                                           return_lse=False)
     else:
-        keep = torch.arange(k.shape[1], device=k.device) < counts[:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=key_bias(keep, q.dtype))
+        out = _key_bias_attention(qt, kt, vt, counts)
     return out.transpose(1, 2).flatten(2)
+
+
+def _key_bias_attention(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The same attention on heads first ([B, H, N, Dh]) through torch's SDPA, masked with a bias
+    made from the counts: the fallback, and the reference FlashAttention 4 is checked against."""
+    keep = torch.arange(kt.shape[2], device=kt.device) < counts[:, None]
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=key_bias(keep, qt.dtype))
