@@ -64,9 +64,10 @@ class CompileOptions:
     # On a GPU, the attention's q/k norms and RoPE (and the double blocks' join) run as one
     # Triton kernel per block (norm_rope_kernel.py), for heads of a power-of-two width, and each
     # block's LayerNorms with their modulation and its gated residual as the AdaLN kernels
-    # (adaln_kernel.py), its feed-forward's product and gate as one (swiglu_kernel.py), and the
-    # audio embedding's convolutions as the position conv kernels (position_conv_kernel.py),
-    # instead of Inductor's fused ops and cuDNN. A CPU runs them as the eager step does.
+    # (adaln_kernel.py), its feed-forward's product and gate as one (swiglu_kernel.py, on quack's
+    # GEMM where that serves: swiglu_gemm.py), and the audio embedding's convolutions as the
+    # position conv kernels (position_conv_kernel.py), instead of Inductor's fused ops and cuDNN.
+    # A CPU runs them as the eager step does.
     block_kernels: bool = True
     # The parts around the blocks (the audio embedding with its grouped convolutions, the output
     # norm and projection, with the target's tokens gathered) compiled too, rather than run as eager ops.
@@ -95,6 +96,7 @@ def compiled_blocks(options: CompileOptions) -> BlockRunners:
 
             cudnn_sdpa_registered()  # the same for the attention ops, where their packages are there
             flash4_registered()
+            swiglu_kernel.quack_gemm_registered()  # its check, before any capture
             double, single, kernels = run_double_block_kernels, run_single_block_kernels, True
             embedding = run_audio_embedding_kernels
         except ImportError:  # no triton (CPU torch wheels): the eager ops

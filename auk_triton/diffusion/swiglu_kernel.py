@@ -15,6 +15,11 @@ The kernel loads its tiles through Hopper's tensor memory accelerator (TMA descr
 on a persistent grid, one program per SM; other GPUs keep the eager feed-forward
 (`fits`). A torch custom op with a fake implementation, opaque to Inductor as the
 other block kernels are; under `TRITON_INTERPRET=1` it runs in Triton's interpreter.
+
+Past a few hundred tokens the op hands its rows to swiglu_gemm.py where that serves: the same
+fusion and roundings on quack's CuTe-DSL GEMM, whose main loop runs at cuBLAS's rate where this
+kernel's does not. This kernel stays the reference it is checked against, and serves small
+token counts, fp16, and GPUs or drivers quack does not.
 """
 
 from __future__ import annotations
@@ -101,34 +106,110 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+_quack: bool | None = None  # whether quack's GEMM (swiglu_gemm.py) serves this process's GPU; None: not looked yet
+_quack_refused = ""  # why not, where its package is installed
+
+
+def quack_gemm_registered() -> bool:
+    """Whether swiglu_gemm.py's GEMM serves this process's GPU: its package there, a GPU it was tuned
+    for, and its output checked once against this module's kernel on a small case (its kernels want
+    a CUDA 13 driver). Called before compiling (compiled.py), not while a CUDA graph captures."""
+    global _quack, _quack_refused
+    if _quack is None:
+        _quack = False
+        try:
+            from .swiglu_gemm import ARCHITECTURES
+        except Exception:  # not installed, or its libraries cannot load
+            return _quack
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHITECTURES:
+            _quack_refused = "not tuned for this GPU"
+            return _quack
+        try:
+            _quack = _quack_matches_the_triton_kernel()
+            _quack_refused = "" if _quack else "its check against the Triton kernel failed"
+        except Exception as error:  # a driver too old for its code, say
+            _quack_refused = f"its check failed: {type(error).__name__}: {error}"
+    return _quack
+
+
+def _quack_matches_the_triton_kernel() -> bool:
+    """Both of swiglu_gemm.py's tile configurations, at token counts ending mid-tile, against
+    `_triton_product`: the same products, roundings and order, so nearly every value equal."""
+    from .swiglu_gemm import SMALL_TOKENS as QUACK_SMALL_TOKENS, product_and_gate
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    weight = (torch.randn(768, 256, device="cuda", generator=generator) / 16).to(torch.bfloat16)
+    for tokens in (300, QUACK_SMALL_TOKENS + 100):
+        rows = torch.randn(tokens, 256, device="cuda", generator=generator).to(torch.bfloat16)
+        got, want = (rows.new_empty(tokens, 384) for _ in range(2))
+        with torch.inference_mode():
+            product_and_gate(rows, weight, got)
+            _triton_product(rows, weight, want)
+        if float((got == want).float().mean()) < 0.99:
+            return False
+    return True
+
+
+def product_kernel(device: torch.device) -> str:
+    """What computes a batch's feed-forward products past SMALL_TOKENS on `device`, for the log."""
+    if torch.device(device).type != "cuda":
+        return "the eager ops (the kernels are for GPUs)"
+    if quack_gemm_registered():
+        return "quack's Hopper GEMM, the gate in its epilogue"
+    refused = f" (quack's GEMM: {_quack_refused})" if _quack_refused else ""
+    return f"the Triton kernel{refused}"
+
+
+def _quack_serves(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    if rows.shape[0] <= SMALL_TOKENS or not rows.is_cuda:
+        return False
+    if _quack is None and torch.cuda.is_current_stream_capturing():
+        return False  # its check runs kernels: never inside a capture
+    if not quack_gemm_registered():
+        return False
+    from .swiglu_gemm import fits as quack_fits
+
+    return quack_fits(rows, weight)
+
+
 @torch.library.custom_op("auk::swiglu_product", mutates_args=())
 def swiglu_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K], linear_in's weight [2F, K] (gate rows first, no bias) -> SiLU(x @ gate^T) * (x @ up^T),
-    [..., F] in x's dtype."""
+    [..., F] in x's dtype: past SMALL_TOKENS through quack's GEMM where it serves, else this
+    module's kernel."""
     width = weight.shape[0] // 2
     out = x.new_empty(*x.shape[:-1], width)
     if out.numel() == 0:
         return out
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} channels, the weight takes {weight.shape[1]}")
-    rows = x.reshape(-1, x.shape[-1])
-    weight = weight.contiguous()
+    rows, weight, flat = x.reshape(-1, x.shape[-1]), weight.contiguous(), out.view(-1, width)
+    if _quack_serves(rows, weight):
+        from .swiglu_gemm import product_and_gate
+
+        product_and_gate(rows, weight, flat)
+    else:
+        _triton_product(rows, weight, flat)
+    return out
+
+
+def _triton_product(rows: torch.Tensor, weight: torch.Tensor, flat: torch.Tensor) -> None:
+    """rows [M, K], weight [2F, K] (contiguous) -> flat [M, F], through _swiglu_product_kernel."""
+    width = weight.shape[0] // 2
     gate, up = weight[:width], weight[width:]
-    flat = out.view(-1, width)
     if not all(map(_aligned, (rows, gate, up, flat))):
         raise ValueError("the SwiGLU kernel reads rows whose starts and strides are multiples of 16 bytes")
     tokens, channels = rows.shape
     tiles = SMALL_TILES if tokens <= SMALL_TOKENS else LARGE_TILES
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     count = triton.cdiv(tokens, bm) * triton.cdiv(width, bn)
-    programs = min(count, _programs(x.device.index) if x.is_cuda else 4)
+    programs = min(count, _programs(rows.device.index) if rows.is_cuda else 4)
     _swiglu_product_kernel[(programs,)](
         TensorDescriptor.from_tensor(rows, [bm, bk]), TensorDescriptor.from_tensor(gate, [bn, bk]),
         TensorDescriptor.from_tensor(up, [bn, bk]), TensorDescriptor.from_tensor(flat, [bm, bn]),
         tokens, width, channels, BM=bm, BN=bn, BK=bk, GROUP=GROUP_M, PROGRAMS=programs,
-        OUT_DTYPE=_TL_DTYPES[x.dtype], num_stages=tiles.stages, num_warps=tiles.warps,
+        OUT_DTYPE=_TL_DTYPES[rows.dtype], num_stages=tiles.stages, num_warps=tiles.warps,
     )
-    return out
 
 
 @swiglu_product.register_fake

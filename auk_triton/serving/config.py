@@ -431,12 +431,13 @@ def input_row_limits(model_config: Mapping) -> dict[str, int]:
 
 
 def use_compile_cache(folder: Path, environ=os.environ) -> None:
-    """Point Inductor's, Triton's and FlashAttention 4's compile caches into `folder` (a model's
-    artifacts_dir) unless already set."""
+    """Point Inductor's, Triton's, FlashAttention 4's and quack's compile caches into `folder` (a
+    model's artifacts_dir) unless already set."""
     environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(folder) / "inductor"))
     environ.setdefault("TRITON_CACHE_DIR", str(Path(folder) / "triton"))
     environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(Path(folder) / "flash4"))
+    environ.setdefault("QUACK_CACHE_DIR", str(Path(folder) / "quack"))  # read when quack is imported
 
 
 # ---- AUK_* environment variables ------------------------------------------------------------

@@ -157,8 +157,11 @@ class TritonPythonModel:
         traces = traces_note(graphs.blocks)
         if traces:
             log("info", f"{self.name}: compiled blocks: {traces}")
-        if graphs.blocks.kernels:
-            log("info", f"{self.name}: padded runs' attention: {masked_attention(self.device)}")
+        if graphs.blocks.kernels:  # their module imports triton, there when the kernels are
+            from auk_triton.diffusion.swiglu_kernel import product_kernel
+
+            log("info", f"{self.name}: padded runs' attention: {masked_attention(self.device)}; "
+                        f"feed-forward products: {product_kernel(self.device)}")
         log("warn" if graphs.compile_failures else "info",
             f"{self.name}: {graphs.captures} step graphs of {len(self.sampler.buckets.shapes())} buckets "
             f"{'compiled and ' if compiled else ''}captured in {time.perf_counter() - began:.1f} s{failures}{later}")

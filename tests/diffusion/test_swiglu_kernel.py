@@ -10,6 +10,7 @@ width against eager bf16, on the GPUs the kernel serves (Hopper).
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -78,15 +79,66 @@ def test_a_weight_for_other_channels_is_refused_by_name(interpreter_results):
     assert result["error_text"] == "x has 32 channels, the weight takes 48", result
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens", [16 * 564, 564, 64])  # batch 16 and 1 of a 10 s bucket; a text stream
-def test_the_kernel_rounds_bf16_as_the_eager_feed_forward_does_on_a_gpu(tokens):
-    from auk_triton.diffusion.swiglu_kernel import fits
+def _failing_check():
+    raise RuntimeError("no kernel image is available for execution on the device")
 
-    x = torch.zeros(1, 1536, device="cuda", dtype=torch.bfloat16)
-    if not fits(x, torch.zeros(6144, 1536, device="cuda", dtype=torch.bfloat16)):
-        pytest.skip("the kernel serves Hopper GPUs (TMA)")
+
+@pytest.mark.parametrize("capability, check, reason", [
+    ((8, 0), lambda: True, "not tuned for this GPU"),
+    ((9, 0), lambda: False, "its check against the Triton kernel failed"),
+    ((9, 0), _failing_check, "RuntimeError: no kernel image"),
+])
+def test_quacks_gemm_refused_on_a_gpu_leaves_the_triton_kernel_and_the_log_says_why(
+        monkeypatch, capability, check, reason):
+    swiglu_kernel = pytest.importorskip("auk_triton.diffusion.swiglu_kernel")  # imports triton
+    stand_in = types.ModuleType("auk_triton.diffusion.swiglu_gemm")  # its package installed
+    stand_in.ARCHITECTURES = (9,)
+    monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
+    monkeypatch.setattr(swiglu_kernel, "_quack_matches_the_triton_kernel", check)
+    monkeypatch.setattr(swiglu_kernel, "_quack", None)
+    monkeypatch.setattr(swiglu_kernel, "_quack_refused", "")
+    assert not swiglu_kernel.quack_gemm_registered()
+    log = swiglu_kernel.product_kernel(torch.device("cuda"))
+    assert log.startswith("the Triton kernel (quack's GEMM: ") and reason in log
+    assert "for GPUs" in swiglu_kernel.product_kernel(torch.device("cpu"))
+
+
+def _quack_serves_here() -> bool:
+    if not HAS_CUDA:
+        return False
+    from auk_triton.diffusion.swiglu_kernel import quack_gemm_registered
+
+    return quack_gemm_registered()
+
+
+KERNELS = {"quack": _quack_serves_here(), "triton": HAS_CUDA}  # each kernel, and whether it can run here
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request, monkeypatch):
+    """Each kernel in turn, the other switched off, skipped where its package or a GPU is missing."""
+    if not KERNELS[request.param]:
+        pytest.skip(f"needs a CUDA GPU and the {request.param} kernel's package")
+    from auk_triton.diffusion import swiglu_kernel
+
+    if request.param == "triton":
+        monkeypatch.setattr(swiglu_kernel, "_quack", False)
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16 * 564, 564, 64])  # batch 16 and 1 of a 10 s bucket; a text stream
+def test_each_kernel_rounds_bf16_as_the_eager_feed_forward_does_on_a_gpu(kernel, tokens):
+    from auk_triton.diffusion.swiglu_kernel import _quack_serves, fits
+
+    x = torch.zeros(tokens, 1536, device="cuda", dtype=torch.bfloat16)
+    weight = torch.zeros(6144, 1536, device="cuda", dtype=torch.bfloat16)
+    if not fits(x, weight):
+        pytest.skip("the kernels serve Hopper GPUs (TMA)")
+    # quack's GEMM takes the larger token counts; a text stream's few stay with the Triton kernel.
+    assert _quack_serves(x, weight) == (kernel == "quack" and tokens > 256)
     result = compare((tokens, 1536), 3072, "cuda", torch.bfloat16)
     # The same products in the same order: all but a few values equal (cuBLAS may split K differently).
     assert result["shape_matches"] and result["rel_l2"] < 1e-3 and result["equal"] > 0.99, result

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def no_cache_variables(monkeypatch):
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
-                 "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR"):
         monkeypatch.setenv(name, "")  # so that the undo removes what use_artifacts sets
         monkeypatch.delenv(name)
 
@@ -38,6 +38,7 @@ def test_a_first_start_compiles_into_its_own_subfolder_and_the_next_finds_it(tmp
     assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(folder / "flash4")
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["QUACK_CACHE_DIR"] == str(folder / "quack")
     assert find_artifacts(tmp_path, build_key(CPU)) == (folder, None)
 
 
