@@ -38,7 +38,7 @@ def _tile_config(tile_m: int, tile_n: int, cluster_m: int, cluster_n: int) -> Ge
 # 128 x 128 tiles at a text stream's 1,024, where fewer tiles would leave SMs idle.
 LARGE_TILES = _tile_config(128, 192, cluster_m=1, cluster_n=2)
 SMALL_TILES = _tile_config(128, 128, cluster_m=2, cluster_n=1)
-SMALL_TOKENS = 2048  # at most this many tokens take SMALL_TILES
+LARGE_TILES_PAST = 2048  # tokens past this many take LARGE_TILES, fewer SMALL_TILES
 
 
 def _bf16(x):
@@ -65,7 +65,7 @@ def fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def product_and_gate(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """rows [M, K], linear_in's weight [2F, K] (gate rows first) -> out [M, F] = SiLU(gate) * up."""
-    tiles = SMALL_TILES if rows.shape[0] <= SMALL_TOKENS else LARGE_TILES
+    tiles = LARGE_TILES if rows.shape[0] > LARGE_TILES_PAST else SMALL_TILES
     # weight.T is quack's B [K, 2F]; concat_layout says its N is [gate; up], paired in the epilogue.
     _swiglu_as_eager(rows, weight.T, None, out={"gated": out}, store_d=False, config=tiles, tuned=False,
                      concat_layout=("B",))

@@ -135,11 +135,11 @@ def quack_gemm_registered() -> bool:
 def _quack_matches_the_triton_kernel() -> bool:
     """Both of swiglu_gemm.py's tile configurations, at token counts ending mid-tile, against
     `_triton_product`: the same products, roundings and order, so nearly every value equal."""
-    from .swiglu_gemm import SMALL_TOKENS as QUACK_SMALL_TOKENS, product_and_gate
+    from .swiglu_gemm import LARGE_TILES_PAST, product_and_gate
 
     generator = torch.Generator("cuda").manual_seed(0)
     weight = (torch.randn(768, 256, device="cuda", generator=generator) / 16).to(torch.bfloat16)
-    for tokens in (300, QUACK_SMALL_TOKENS + 100):
+    for tokens in (300, LARGE_TILES_PAST + 100):
         rows = torch.randn(tokens, 256, device="cuda", generator=generator).to(torch.bfloat16)
         got, want = (rows.new_empty(tokens, 384) for _ in range(2))
         with torch.inference_mode():
@@ -161,6 +161,8 @@ def product_kernel(device: torch.device) -> str:
 
 
 def _quack_serves(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether quack's GEMM takes these rows: past SMALL_TOKENS (this kernel's small tiles spread a
+    few rows over more SMs), where it passed its check and fits."""
     if rows.shape[0] <= SMALL_TOKENS or not rows.is_cuda:
         return False
     if _quack is None and torch.cuda.is_current_stream_capturing():
