@@ -33,6 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checked_kernel import check_once
+
 
 def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Valid keys, bool [B, K] -> the attention's additive bias [B, 1, 1, K] in `dtype`: 0 where a
@@ -115,20 +117,10 @@ def flash4_registered() -> bool:
     on a small case (its kernels are built for CUDA 13 drivers and Hopper or Blackwell; anything
     else leaves cuDNN's padding mask serving). A plain global for compiled code."""
     global _flash4, _flash4_refused
-    if _flash4 is None:
-        _flash4 = False
-        try:
-            from .flash4_attention import ARCHITECTURES  # registers torch.ops.auk.flash4_valid_keys
-        except Exception:  # not installed, or its libraries cannot load
-            return _flash4
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHITECTURES:
-            _flash4_refused = "not built for this GPU"
-            return _flash4
-        try:
-            _flash4 = _flash4_matches_the_masked_attention()
-            _flash4_refused = "" if _flash4 else "its check against the masked attention failed"
-        except Exception as error:  # a driver too old for its code, say
-            _flash4_refused = f"its check failed: {type(error).__name__}: {error}"
+    if _flash4 is None:  # the module registers torch.ops.auk.flash4_valid_keys
+        _flash4, _flash4_refused = check_once(f"{__package__}.flash4_attention",
+                                              lambda: _flash4_matches_the_masked_attention(),
+                                              "the masked attention", "not built for this GPU")
     return _flash4
 
 

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .checked_kernel import check_once
+
 # torch's dtypes -> Triton's, for the epilogue's roundings.
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # TMA reads and writes rows whose strides and starts are multiples of 16 bytes.
@@ -116,19 +118,8 @@ def quack_gemm_registered() -> bool:
     a CUDA 13 driver). Called before compiling (compiled.py), not while a CUDA graph captures."""
     global _quack, _quack_refused
     if _quack is None:
-        _quack = False
-        try:
-            from .swiglu_gemm import ARCHITECTURES
-        except Exception:  # not installed, or its libraries cannot load
-            return _quack
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHITECTURES:
-            _quack_refused = "not tuned for this GPU"
-            return _quack
-        try:
-            _quack = _quack_matches_the_triton_kernel()
-            _quack_refused = "" if _quack else "its check against the Triton kernel failed"
-        except Exception as error:  # a driver too old for its code, say
-            _quack_refused = f"its check failed: {type(error).__name__}: {error}"
+        _quack, _quack_refused = check_once(f"{__package__}.swiglu_gemm", lambda: _quack_matches_the_triton_kernel(),
+                                            "the Triton kernel", "not tuned for this GPU")
     return _quack
 
 
