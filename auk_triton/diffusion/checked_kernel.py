@@ -9,20 +9,23 @@ kernel serves, and the log says why.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from types import ModuleType
 from typing import Callable
 
 import torch
 
 
-def check_once(module: str, check: Callable[[], bool], reference: str, unfit: str) -> tuple[bool, str]:
-    """Import `module` (which registers its op) and, where its ARCHITECTURES hold this GPU's compute
-    capability major, run `check` -> (whether its kernel serves, why not: empty where it serves or
-    its package is not installed). `reference` names what `check` compares against, `unfit` the
-    reason for a GPU outside ARCHITECTURES."""
-    try:
-        architectures = importlib.import_module(module).ARCHITECTURES
-    except Exception:  # not installed, or its libraries cannot load
-        return False, ""
+def check_once(module: str, package: str, check: Callable[[], bool], reference: str,
+               unfit: str) -> tuple[bool, str]:
+    """Import `module` (which registers its op; `package`: the package it takes the kernel from) and,
+    where its ARCHITECTURES hold this GPU's compute capability major, run `check` -> (whether its
+    kernel serves, why not: empty where it serves or `package` is not installed). `reference`
+    names what `check` compares against, `unfit` the reason for a GPU outside ARCHITECTURES."""
+    loaded, why_not = import_kernel(module, package)
+    if loaded is None:
+        return False, why_not
+    architectures = loaded.ARCHITECTURES
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in architectures:
         return False, unfit
     try:
@@ -30,3 +33,16 @@ def check_once(module: str, check: Callable[[], bool], reference: str, unfit: st
     except Exception as error:  # a driver too old for its code, say
         return False, f"its check failed: {type(error).__name__}: {error}"
     return passed, "" if passed else f"its check against {reference} failed"
+
+
+def import_kernel(module: str, package: str) -> tuple[ModuleType | None, str]:
+    """Import `module` -> (it, "") or (None, why not): empty where `package` is not installed (the
+    deployment chose not to), else the error, for the log: an operator who installed the package
+    needs to see that it, or a library it needs, cannot load (a missing dependency, a library for
+    another CUDA)."""
+    if importlib.util.find_spec(package) is None:
+        return None, ""
+    try:
+        return importlib.import_module(module), ""
+    except Exception as error:
+        return None, f"it did not load: {type(error).__name__}: {error}"

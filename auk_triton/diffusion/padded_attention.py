@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checked_kernel import check_once
+from .checked_kernel import check_once, import_kernel
 
 
 def key_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -90,20 +90,17 @@ def gather_tokens(x: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
 
 
 _registered: bool | None = None  # whether torch.ops.cudnn.sdpa_fwd is there; None: not looked yet
+_cudnn_refused = ""  # why not, where its package is installed
 
 
 def cudnn_sdpa_registered() -> bool:
     """Whether the cudnn package's SDPA op is there, registered (imported) by the first call: make
     it before a saved trace that calls the op is loaded, and before compiling (a compiled block
     then reads the answer, a plain global)."""
-    global _registered
+    global _registered, _cudnn_refused
     if _registered is None:
-        try:
-            import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd)
-
-            _registered = hasattr(torch.ops.cudnn, "sdpa_fwd")
-        except Exception:  # not installed, or no cuDNN it can load
-            _registered = False
+        loaded, _cudnn_refused = import_kernel("cudnn.sdpa.fwd.torch_op", "cudnn")  # registers the op
+        _registered = loaded is not None and hasattr(torch.ops.cudnn, "sdpa_fwd")
     return _registered
 
 
@@ -118,7 +115,7 @@ def flash4_registered() -> bool:
     else leaves cuDNN's padding mask serving). A plain global for compiled code."""
     global _flash4, _flash4_refused
     if _flash4 is None:  # the module registers torch.ops.auk.flash4_valid_keys
-        _flash4, _flash4_refused = check_once(f"{__package__}.flash4_attention",
+        _flash4, _flash4_refused = check_once(f"{__package__}.flash4_attention", "flash_attn",
                                               lambda: _flash4_matches_the_masked_attention(),
                                               "the masked attention", "not built for this GPU")
     return _flash4
@@ -162,7 +159,8 @@ def masked_attention(device: torch.device) -> str:
         return f"cuDNN's padding mask, each row's valid keys first{refused}"
     if torch.device(device).type != "cuda":
         return "additive key biases (the kernels taking key counts are for GPUs)"
-    return f"additive key biases (no flash-attn-4 or cudnn package: requirements-gpu.txt brings them{refused})"
+    refused += f"; cudnn: {_cudnn_refused}" if _cudnn_refused else ""
+    return f"additive key biases (neither flash-attn-4 nor cudnn serves: requirements-gpu.txt brings them{refused})"
 
 
 def attend_valid_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,

@@ -118,7 +118,8 @@ def quack_gemm_registered() -> bool:
     a CUDA 13 driver). Called before compiling (compiled.py), not while a CUDA graph captures."""
     global _quack, _quack_refused
     if _quack is None:
-        _quack, _quack_refused = check_once(f"{__package__}.swiglu_gemm", lambda: _quack_matches_the_triton_kernel(),
+        _quack, _quack_refused = check_once(f"{__package__}.swiglu_gemm", "quack",
+                                            lambda: _quack_matches_the_triton_kernel(),
                                             "the Triton kernel", "not tuned for this GPU")
     return _quack
 
