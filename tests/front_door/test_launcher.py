@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,8 +183,6 @@ def test_what_a_dead_tritonserver_left_in_its_process_group_is_killed():
     """A process group leader killed from outside leaves its child running, as a tritonserver
     cut short leaves its Python backend stubs; reap kills the child."""
     import signal
-    import subprocess
-    import time
 
     server = pytest.importorskip("auk_triton.front_door.launcher")
     leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
@@ -198,3 +197,44 @@ def test_what_a_dead_tritonserver_left_in_its_process_group_is_killed():
         assert time.monotonic() < deadline, "the child still runs"
         time.sleep(0.05)
     server.reap(leader.pid)  # nothing left: no error
+
+
+def test_a_package_on_pythonpath_reaches_the_models_as_it_reaches_the_launcher(tmp_path):
+    """Triton's Python backend starts its interpreter without reading PYTHONPATH; each model.py puts
+    its entries first. A stand-in auk_triton there, whose encode model refuses to start with a
+    marker, is the one the real stub loads, with the server started from another folder."""
+    from triton_harness import closed_port
+
+    server = pytest.importorskip("auk_triton.front_door.launcher")
+    serving = tmp_path / "on_pythonpath" / "auk_triton" / "serving"
+    serving.mkdir(parents=True)
+    (serving.parent / "__init__.py").write_text("")
+    (serving / "__init__.py").write_text("")
+    (serving / "encode_model.py").write_text(
+        "class TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        "        raise RuntimeError('the stand-in on PYTHONPATH was loaded')\n")
+    env = dict(os.environ, PYTHONPATH=str(serving.parents[1]), AUK_CACHE_DIR=str(tmp_path / "cache"),
+               AUK_DEVICE="cpu", AUK_MODELS="auk_vae_encode")
+    try:
+        argv, env = server.server_command(
+            REPO_ROOT / "model_repository",
+            ports={kind: closed_port() for kind in ("http", "grpc", "metrics")},
+            extra_args=["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"],
+            env=env,
+        )
+    except server.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    log_path = tmp_path / "tritonserver.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    deadline = time.monotonic() + 180
+    try:  # the stand-in fails to load, so tritonserver exits; the real model would load and serve
+        while process.poll() is None and "successfully loaded" not in log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, "tritonserver neither exited nor loaded the model"
+            time.sleep(0.1)
+    finally:
+        server.reap(process.pid)
+        process.wait()
+    assert "the stand-in on PYTHONPATH was loaded" in log_path.read_text(errors="replace")
