@@ -15,6 +15,9 @@ from typing import Callable
 
 import torch
 
+# Puts its `cutlass` package on the path with a .pth file, which Python reads in site-packages only.
+CUTLASS_DSL = "nvidia_cutlass_dsl"
+
 
 def check_once(module: str, package: str, check: Callable[[], bool], reference: str,
                unfit: str) -> tuple[bool, str]:
@@ -45,4 +48,9 @@ def import_kernel(module: str, package: str) -> tuple[ModuleType | None, str]:
     try:
         return importlib.import_module(module), ""
     except Exception as error:
-        return None, f"it did not load: {type(error).__name__}: {error}"
+        why_not = f"it did not load: {type(error).__name__}: {error}"
+        if (isinstance(error, ModuleNotFoundError) and error.name == "cutlass"
+                and importlib.util.find_spec(CUTLASS_DSL) is not None):
+            why_not += (f" ({CUTLASS_DSL} is on the path but its .pth file was not read, as in a "
+                        "PYTHONPATH folder: install it, or put its dsl_packages folder on PYTHONPATH too)")
+        return None, why_not

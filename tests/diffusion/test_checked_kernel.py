@@ -45,6 +45,17 @@ def test_an_installed_kernel_package_missing_a_dependency_names_the_dependency(p
     assert why_not == "it did not load: ModuleNotFoundError: No module named 'auk_stand_in_dependency'"
 
 
+def test_a_cutlass_dsl_on_the_path_without_its_pth_folder_is_named_as_the_cause(packages, monkeypatch):
+    packages("nvidia_cutlass_dsl", "")  # the package's folder is found, its dsl_packages are not
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # `import cutlass` fails as it does then
+    packages("auk_stand_in_kernels", "import cutlass\n")
+    module, why_not = import_kernel("auk_stand_in_kernels", "auk_stand_in_kernels")
+    assert module is None
+    assert why_not.startswith("it did not load: ModuleNotFoundError: import of cutlass halted")
+    assert why_not.endswith("(nvidia_cutlass_dsl is on the path but its .pth file was not read, as in a "
+                            "PYTHONPATH folder: install it, or put its dsl_packages folder on PYTHONPATH too)")
+
+
 def test_an_installed_kernel_package_that_loads_is_returned(packages):
     packages("auk_stand_in_kernels", "ARCHITECTURES = (9,)\n")
     module, why_not = import_kernel("auk_stand_in_kernels", "auk_stand_in_kernels")
