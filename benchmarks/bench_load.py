@@ -122,7 +122,7 @@ LOAD_STEPS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 # Options that set the tile scheduler's config parameters: option -> parameter.
 SCHEDULER_PARAMETERS = {"batch_sizes": "batch_sizes", "batch_frames": "batch_frames",
-                        "max_active": "max_active_requests"}
+                        "max_active": "max_active_requests", "first_tile_frames": "first_tile_frames"}
 
 
 # ---- requests on one stream -----------------------------------------------------------------
@@ -890,22 +890,35 @@ def set_model_parameters(model_dir: Path, values: dict[str, str]) -> None:
         config.write_text(text)
 
 
+def served_values(args) -> dict[str, str]:
+    """The config parameters the options set on the model that decodes."""
+    values = scheduler_values(args)
+    if args.decode_yields_to_dit:
+        values["decode_yields_to_dit"] = "true"
+    if args.no_decode_look_ahead_during_dit:
+        values["decode_look_ahead_during_dit"] = "false"
+    return values
+
+
+def served_repository(args, dest: Path) -> Path:
+    """A copy of model_repository/ in `dest` with the options' buckets and parameters on the model
+    that decodes: the decode model, or the pipeline, which decodes in its own process with its own
+    copy of the decoder's parameters."""
+    decoding_model = PIPELINE_MODEL if args.model == "pipeline" else MODEL
+    buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
+    repository = model_repository_copy(dest, buckets, decoding_model)
+    set_model_parameters(repository / decoding_model, served_values(args))
+    return repository
+
+
 def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> tuple[str, str]:
     """Start tritonserver (a copy of model_repository/ where the options change it), alone or
     (`--front-door`) behind the front door as the launcher starts it; it is stopped when `stack`
     closes. Returns the gRPC address the load goes to and the metrics address."""
-    values = scheduler_values(args)
-    buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
     repository = None
-    pipeline_values = {"decode_yields_to_dit": "true"} if args.decode_yields_to_dit else {}
-    if args.no_decode_look_ahead_during_dit:
-        pipeline_values["decode_look_ahead_during_dit"] = "false"
-    if buckets is not None or values or pipeline_values:
+    if served_values(args) or tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
-        repository = model_repository_copy(folder / "model_repository", buckets)
-        set_model_parameters(repository / MODEL, values)
-        if pipeline_values:
-            set_model_parameters(repository / PIPELINE_MODEL, pipeline_values)
+        repository = served_repository(args, folder / "model_repository")
     models = PIPELINE_MODELS if args.model == "pipeline" else (MODEL,)
     options = dict(ready_timeout_s=args.ready_timeout, device="gpu" if args.device == "cuda" else "cpu",
                    model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
@@ -1221,6 +1234,9 @@ def parse_args() -> argparse.Namespace:
                         help="the scheduler's rows per replay (default 1 2 4 8 16; 1: batching off)")
     parser.add_argument("--batch-frames", type=int, default=None, help="frames per batched replay (default one tile)")
     parser.add_argument("--max-active", type=int, default=None, help="max_active_requests (default: DecodeSettings)")
+    parser.add_argument("--first-tile-frames", type=int, default=None,
+                        help="served: first_tile_frames, the first window of a longer clip (default: the smallest "
+                             "bucket; 0: off)")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     parser.add_argument("--trace", default=None, metavar="FILE",
@@ -1277,8 +1293,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--trace configures a server started here, not --url's")
     if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)
                      or args.decode_yields_to_dit or args.no_decode_look_ahead_during_dit):
-        parser.error("--buckets, --batch-sizes, --batch-frames, --max-active, --decode-yields-to-dit and "
-                     "--no-decode-look-ahead-during-dit configure a server started here, not --url's")
+        parser.error("--buckets, --batch-sizes, --batch-frames, --max-active, --first-tile-frames, "
+                     "--decode-yields-to-dit and --no-decode-look-ahead-during-dit configure a server started here, "
+                     "not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
     if args.connection_per_stream is None:
@@ -1296,6 +1313,7 @@ def decode_settings(args) -> DecodeSettings:
         batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else default.batch_sizes,
         batch_frames=args.batch_frames or default.batch_frames,
         max_active_requests=args.max_active or default.max_active_requests,
+        first_tile_frames=default.first_tile_frames if args.first_tile_frames is None else args.first_tile_frames,
     )
 
 
@@ -1361,10 +1379,10 @@ def main() -> None:
     say(f"command: {command_line()}")
     settings = decode_settings(args)
     where = ("the running server's settings are its own; in process" if args.url
-             else f"{MODEL} in the pipeline" if pipeline else "served and in process")
+             else f"the decoder in {PIPELINE_MODEL}" if pipeline else "served and in process")
     say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
-        f"max active requests {settings.max_active_requests}")
+        f"max active requests {settings.max_active_requests}, first window {settings.first_window_frames() or 'off'}")
     if pipeline:  # the DiT's recipe is its checkpoint's (flash, or base) and the request's knobs
         checkpoint = recipe_checkpoints(cache, args.preset)[args.recipe]
     else:

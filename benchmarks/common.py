@@ -279,19 +279,19 @@ def perf_analyzer_script() -> Path:
     return HERE / "run_perf_analyzer.py"
 
 
-def model_repository_copy(dest: Path, buckets=None) -> Path:
-    """A copy of model_repository/ in `dest`; with `buckets`, its decode model compiles those
-    (the compile_shapes parameter of every config file of it; the offline model forwards to it)."""
+def model_repository_copy(dest: Path, buckets=None, decoding_model: str = MODEL) -> Path:
+    """A copy of model_repository/ in `dest`; with `buckets`, `decoding_model` compiles those
+    (the compile_shapes parameter of every config file of it: the decode model, which the
+    offline model forwards to, or the pipeline, which decodes in its own process)."""
     shutil.copytree(REPO_ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
     if buckets is not None:
         shapes = ",".join(str(b) for b in buckets)
-        for model in (MODEL,):
-            for config in (dest / model).glob("**/*.pbtxt"):
-                text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"',
-                                      rf'\1"{shapes}"', config.read_text())
-                if count != 1:
-                    raise RuntimeError(f"no compile_shapes parameter in {config}")
-                config.write_text(text)
+        for config in (dest / decoding_model).glob("**/*.pbtxt"):
+            text, count = re.subn(r'(key: "compile_shapes", value: \{ string_value: )"[^"]*"',
+                                  rf'\1"{shapes}"', config.read_text())
+            if count != 1:
+                raise RuntimeError(f"no compile_shapes parameter in {config}")
+            config.write_text(text)
     return dest
 
 

@@ -165,3 +165,40 @@ def test_the_server_numbers_of_a_run_are_what_its_counters_grew_by_and_the_decod
     assert numbers["decode_share"] == pytest.approx(0.3) and numbers["send_share"] == pytest.approx(0.075)
     assert decoder_busy(numbers) == ", decoder thread 30% decoding (launch and wait), 8% sending"
     assert decoder_busy(server_numbers(before, after)) == "", "without the run's time, no shares"
+
+
+def served_options(**given):
+    import argparse
+
+    from common import DEFAULT_COMPILE_SHAPES
+
+    options = dict(model="decode", buckets=list(DEFAULT_COMPILE_SHAPES), batch_sizes=None, batch_frames=None,
+                   max_active=None, first_tile_frames=None, decode_yields_to_dit=False,
+                   no_decode_look_ahead_during_dit=False)
+    return argparse.Namespace(**{**options, **given})
+
+
+def parameter(config: Path, key: str) -> str:
+    import re
+
+    return re.search(rf'key: "{key}", value: \{{ string_value: "([^"]*)"', config.read_text()).group(1)
+
+
+@pytest.mark.parametrize("model, decoding, other", [("pipeline", PIPELINE_MODEL, "auk_vae_decode"),
+                                                    ("decode", "auk_vae_decode", PIPELINE_MODEL)])
+def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_other_as_it_was(tmp_path, model,
+                                                                                              decoding, other):
+    from bench_load import served_repository
+
+    args = served_options(model=model, buckets=[32, 512], batch_sizes=[1, 4], first_tile_frames=0,
+                          no_decode_look_ahead_during_dit=model == "pipeline")
+    repository = served_repository(args, tmp_path / "model_repository")
+    configs = [repository / decoding / "config.pbtxt", repository / decoding / "configs" / "gpu.pbtxt"]
+    for config in configs:
+        assert [parameter(config, key) for key in ("compile_shapes", "batch_sizes", "first_tile_frames")] == [
+            "32,512", "1,4", "0"]
+    if model == "pipeline":
+        assert parameter(configs[0], "decode_look_ahead_during_dit") == "false"
+    for config in (repository / other).glob("**/*.pbtxt"):
+        assert config.read_text() == (Path(__file__).resolve().parents[2] / "model_repository" / other
+                                      / config.relative_to(repository / other)).read_text()
