@@ -49,16 +49,19 @@ POLICIES = ("decode first", "later windows yield", "rest after the DiT")
 class Costs:
     """GPU milliseconds, and the fixed delay; defaults from RESULTS.md (H200)."""
 
-    step_1_ms: float = 3.12  # a DiT step of one 10 s row (r3)
-    step_16_ms: float = 30.54  # of 16 rows (r3)
+    step_1_ms: float = 2.78  # a DiT step of one 10 s row (r56)
+    step_16_ms: float = 27.21  # of 16 rows (r56)
     steps: int = 4  # flash
     max_rows: int = 16  # rows a step serves at most (the largest bucket's graphs)
-    first_window_ms: float = 2.03  # the 32-frame bucket (p3)
-    first_window_more_ms: float = 0.3  # each further first window in the replay (assumed)
+    first_window_ms: float = 2.04  # a replay of the 32-frame window, one row (l15)
+    first_window_more_ms: float = 0.42  # each further row of it: 8.28 ms at 16 rows (l15)
     first_window_audio_ms: float = 460.0  # its audio: 23 of its 32 frames (9 are the right context)
-    rest_of_clip_ms: float = 4.8  # 6.8 ms of decode a 10 s clip in all (r9), less its first window
+    # The rest of a 10 s clip is a window from its frame 0, since the 23 frames its first window
+    # emitted are less than the decoder's left context (53 frames): the whole clip's decode, the
+    # 512-frame replay (6.29 ms, l15), and the first window's work comes on top of it.
+    rest_of_clip_ms: float = 6.29
     rest_per_replay: int = 4  # clips whose rest decodes in one replay
-    fixed_ms: float = 10.0  # one client's first audio (24.5 ms, r9) less its GPU work
+    fixed_ms: float = 8.0  # one client's first audio (21.2 ms, r22) less its GPU work
     # 1: as served, each step's rows are fixed as the step before begins (the sampling thread
     # queues one step ahead, STEPS_QUEUED_AHEAD), so a request that arrives waits for up to two
     # steps to join; 0: it joins the next step.
