@@ -897,6 +897,8 @@ def served_values(args) -> dict[str, str]:
         values["decode_yields_to_dit"] = "true"
     if args.no_decode_look_ahead_during_dit:
         values["decode_look_ahead_during_dit"] = "false"
+    if args.no_first_tile_under_load:
+        values["first_tile_under_load"] = "false"
     return values
 
 
@@ -1237,6 +1239,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--first-tile-frames", type=int, default=None,
                         help="served: first_tile_frames, the first window of a longer clip (default: the smallest "
                              "bucket; 0: off)")
+    parser.add_argument("--no-first-tile-under-load", action="store_true",
+                        help="served: first_tile_under_load off, no short first window while other streams' later "
+                             "windows wait to decode")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     parser.add_argument("--trace", default=None, metavar="FILE",
@@ -1291,11 +1296,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--front-door starts a server here; --url drives one already running")
     if args.url and args.trace:
         parser.error("--trace configures a server started here, not --url's")
-    if args.url and (scheduler_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)
-                     or args.decode_yields_to_dit or args.no_decode_look_ahead_during_dit):
+    if args.url and (served_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
         parser.error("--buckets, --batch-sizes, --batch-frames, --max-active, --first-tile-frames, "
-                     "--decode-yields-to-dit and --no-decode-look-ahead-during-dit configure a server started here, "
-                     "not --url's")
+                     "--no-first-tile-under-load, --decode-yields-to-dit and --no-decode-look-ahead-during-dit "
+                     "configure a server started here, not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
     if args.connection_per_stream is None:
@@ -1314,6 +1318,7 @@ def decode_settings(args) -> DecodeSettings:
         batch_frames=args.batch_frames or default.batch_frames,
         max_active_requests=args.max_active or default.max_active_requests,
         first_tile_frames=default.first_tile_frames if args.first_tile_frames is None else args.first_tile_frames,
+        first_tile_under_load=not args.no_first_tile_under_load,
     )
 
 
@@ -1382,7 +1387,8 @@ def main() -> None:
              else f"the decoder in {PIPELINE_MODEL}" if pipeline else "served and in process")
     say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
-        f"max active requests {settings.max_active_requests}, first window {settings.first_window_frames() or 'off'}")
+        f"max active requests {settings.max_active_requests}, first window {settings.first_window_frames() or 'off'}"
+        f"{'' if settings.first_tile_under_load else ' (none under load)'}")
     if pipeline:  # the DiT's recipe is its checkpoint's (flash, or base) and the request's knobs
         checkpoint = recipe_checkpoints(cache, args.preset)[args.recipe]
     else:

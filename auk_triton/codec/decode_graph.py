@@ -178,12 +178,14 @@ class AuKVAEDecodeGraph:
         """The smallest compiled bucket that holds `frames` latents, or None past the largest."""
         return min((b for b in self._buckets if b >= frames), default=None)
 
-    def plan(self, frames: int) -> list[tuple[int, int, int, int]]:
-        """The decode windows of a clip of `frames`: (start, frames, emit_start, emit_end) each."""
+    def plan(self, frames: int, short_first: bool = True) -> list[tuple[int, int, int, int]]:
+        """The decode windows of a clip of `frames`: (start, frames, emit_start, emit_end) each;
+        `short_first` False leaves out the short first window (`first_tile_frames`)."""
         if not self.tile_frames:
             return [(0, frames, 0, frames)]
         left, right = self.context_frames
-        return plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, self.first_tile_frames)
+        first = self.first_tile_frames if short_first else None
+        return plan_tiles(frames, self.tile_frames, left, right, self.compile_shapes, first)
 
     def batch_key(self, frames: int, device: torch.device) -> int:
         """Windows with the same key can decode together in `decode_rows`: the bucket that

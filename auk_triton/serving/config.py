@@ -152,6 +152,9 @@ class DecodeSettings:
     compile_shapes: tuple[int, ...] | None = None  # None: the codec's buckets (buckets())
     tile_frames: int | None = None  # None: the largest compile shape; 0: no tiling
     first_tile_frames: int | None = None  # None: the smallest compile shape; 0: off
+    # False: no short first window while other streams' later windows wait to decode
+    # (scheduler.plan_under_load).
+    first_tile_under_load: bool = True
     max_graphs: int = 32
     frame_alignment: int = 1
     enable_cuda_graphs: bool = True
@@ -192,6 +195,7 @@ class DecodeSettings:
             compile_shapes=list_parameter(params, "compile_shapes", default.compile_shapes, "128,256,512"),
             tile_frames=int_parameter(params, "tile_frames", default.tile_frames, 0),
             first_tile_frames=int_parameter(params, "first_tile_frames", default.first_tile_frames, 0),
+            first_tile_under_load=bool_parameter(params, "first_tile_under_load", default.first_tile_under_load),
             max_graphs=int_parameter(params, "max_graphs", default.max_graphs, 1),
             frame_alignment=int_parameter(params, "frame_alignment", default.frame_alignment, 1),
             enable_cuda_graphs=bool_parameter(params, "enable_cuda_graphs", default.enable_cuda_graphs),

@@ -180,7 +180,7 @@ class TritonPythonModel:
         self.scheduler = TileScheduler(
             self.graph, self.device, self.vae.sample_rate, self.vae.hop_size,
             max_active=settings.max_active_requests, max_queued=settings.max_queued_requests,
-            on_iteration=self._on_iteration,
+            on_iteration=self._on_iteration, short_first_under_load=settings.first_tile_under_load,
         )
         # The scheduler's thread builds the graphs it replays before READY; the deferred ones
         # are built beside it after READY, and it takes each over at its next decode.

@@ -18,6 +18,12 @@ same order, up to that key's batch capacity:
    flight waits its turn: counted as urgent, new requests' second windows would
    keep the older streams waiting for as long as requests arrive.
 
+A clip's first window is short (the decoder's `first_tile_frames`), so its first audio comes
+after one small replay; the window after it still decodes the clip from frame 0. With
+`short_first_under_load` off, a request that has yet to begin while other streams' later
+windows wait to decode is planned without it (`plan_under_load`): at saturation the decoder
+does each clip's work once, and the short window stays for a decoder with nothing queued.
+
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
 windows (and count an underrun when a tile leaves after its deadline). Unless
@@ -131,7 +137,7 @@ class StreamSink(Protocol):
 class WindowDecoder(Protocol):
     """What the scheduler needs of the decode (`AuKVAEDecodeGraph` provides it)."""
 
-    def plan(self, frames: int) -> list[tuple[int, int, int, int]]: ...
+    def plan(self, frames: int, short_first: bool = True) -> list[tuple[int, int, int, int]]: ...
 
     def batch_key(self, frames: int, device: torch.device) -> int: ...
 
@@ -159,6 +165,7 @@ class Job:
     finished: bool = False
     stop_asked: bool = False  # cancelled through `TileScheduler.cancel`: ended at the next iteration
     taken_ahead: bool = False  # its window in launch went ahead of first windows (due soon)
+    planned_under_load: bool = False  # its windows planned again without the short first one
 
     def urgency(self, now: float, frame_seconds: float) -> tuple[int, float]:
         """Smaller is more urgent: later windows due within DUE_SOON_S by deadline, first windows
@@ -199,6 +206,20 @@ def decodable(jobs: Sequence[Job]) -> list[Job]:
     if any(job.next_window < len(job.windows) for job in final):
         return final
     return list(jobs)
+
+
+def plan_under_load(jobs: Sequence[Job], plan: Callable[..., list]) -> None:
+    """While another request's later window waits to decode, plan each request whose first window
+    is still to come again without the short first window (`plan(frames, short_first=False)`):
+    the short window's replay is work on top of its clip's, which decodes whole from frame 0
+    either way (the window after it begins within the decoder's left context); it buys an early
+    first audio when the decoder is free, and under load it delays every stream behind it."""
+    if not any(0 < job.next_window < len(job.windows) for job in jobs):
+        return
+    for job in jobs:
+        if job.next_window == 0 and not job.planned_under_load:
+            job.windows = plan(job.latents.shape[1], short_first=False)
+            job.planned_under_load = True
 
 
 def yields(job: Job, now: float, frame_seconds: float) -> bool:
@@ -266,6 +287,7 @@ class TileScheduler:
         on_iteration: Callable[[Iteration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         yield_to: Callable[[], bool] | None = None,
+        short_first_under_load: bool = True,
     ):
         self.decoder, self.device = decoder, torch.device(device)
         self.sample_rate, self.hop_size = sample_rate, hop_size
@@ -280,6 +302,9 @@ class TileScheduler:
         # Asked at each iteration, after its pick (it may be set after `start`): True while another
         # stage's new requests are about to bring first windows; the scheduler does not look ahead then.
         self.hold_look_ahead: Callable[[], bool] | None = None
+        # False: a request's short first window is planned away while other streams' later
+        # windows wait (`plan_under_load`).
+        self.short_first_under_load = short_first_under_load
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
@@ -459,6 +484,8 @@ class TileScheduler:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
         jobs = [job for job in self._jobs if not job.stop_asked and job.next_window < len(job.windows)]
+        if not self.short_first_under_load:
+            plan_under_load(jobs, self.decoder.plan)
         left = len(jobs)
         if self.yield_to is not None and self.yield_to():
             jobs = [job for job in jobs if not yields(job, now, frame_seconds)]

@@ -173,8 +173,8 @@ def served_options(**given):
     from common import DEFAULT_COMPILE_SHAPES
 
     options = dict(model="decode", buckets=list(DEFAULT_COMPILE_SHAPES), batch_sizes=None, batch_frames=None,
-                   max_active=None, first_tile_frames=None, decode_yields_to_dit=False,
-                   no_decode_look_ahead_during_dit=False)
+                   max_active=None, first_tile_frames=None, no_first_tile_under_load=False,
+                   decode_yields_to_dit=False, no_decode_look_ahead_during_dit=False)
     return argparse.Namespace(**{**options, **given})
 
 
@@ -191,12 +191,12 @@ def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_othe
     from bench_load import served_repository
 
     args = served_options(model=model, buckets=[32, 512], batch_sizes=[1, 4], first_tile_frames=0,
-                          no_decode_look_ahead_during_dit=model == "pipeline")
+                          no_first_tile_under_load=True, no_decode_look_ahead_during_dit=model == "pipeline")
     repository = served_repository(args, tmp_path / "model_repository")
     configs = [repository / decoding / "config.pbtxt", repository / decoding / "configs" / "gpu.pbtxt"]
     for config in configs:
-        assert [parameter(config, key) for key in ("compile_shapes", "batch_sizes", "first_tile_frames")] == [
-            "32,512", "1,4", "0"]
+        keys = ("compile_shapes", "batch_sizes", "first_tile_frames", "first_tile_under_load")
+        assert [parameter(config, key) for key in keys] == ["32,512", "1,4", "0", "false"]
     if model == "pipeline":
         assert parameter(configs[0], "decode_look_ahead_during_dit") == "false"
     for config in (repository / other).glob("**/*.pbtxt"):

@@ -178,6 +178,15 @@ def test_a_deferred_warm_up_builds_the_first_tile_s_bucket_and_the_largest_befor
     assert AuKVAEDecodeGraph(small, compile_shapes=()).ready_buckets() == set()
 
 
+def test_a_plan_without_the_short_first_window_is_the_clip_s_tiles_alone(small):
+    graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 128, 256, 512), first_tile_frames=32)
+    left, right = graph.context_frames
+    for frames in (20, 500, 1000, 3000):
+        assert graph.plan(frames, short_first=False) == plan_tiles(frames, 512, left, right, (32, 128, 256, 512))
+        assert graph.plan(frames) == plan_tiles(frames, 512, left, right, (32, 128, 256, 512), 32)
+    assert graph.plan(500)[0] == (0, 32, 0, 32 - right) and graph.plan(500, short_first=False)[0][:2] == (0, 500)
+
+
 def test_on_the_cpu_a_deferred_warm_up_leaves_nothing_to_build(small):
     graph = AuKVAEDecodeGraph(small, compile_shapes=(32, 512), batch_sizes=(1, 2, 4))
     assert graph.warmup("cpu", defer=True) == []

@@ -42,6 +42,7 @@ def test_the_shipped_decode_config_parses_to_the_documented_defaults(tmp_path):
     assert settings.buckets() == (32, 128, 256, 512)
     assert settings.tile_frames is None and settings.first_tile_frames is None
     assert settings.first_window_frames() == 32, "a long clip starts with the smallest bucket"
+    assert settings.first_tile_under_load is True, "the short first window under load too"
     assert settings.fused_activation is True and settings.channels_last is True
     assert (settings.max_graphs, settings.frame_alignment, settings.max_frames) == (32, 1, 30000)
     assert settings.enable_cuda_graphs is True
@@ -175,6 +176,7 @@ def test_a_bad_parameter_value_fails_naming_the_parameter_and_the_value():
         ("fused_activation", "fast", "true or false"),
         ("channels_last", "yes please", "true or false"),
         ("first_tile_frames", "-1", "at least 0"),
+        ("first_tile_under_load", "sometimes", "true or false"),
         ("precision", "bf16", "use one of fp16, tf32"),
     ],
 )

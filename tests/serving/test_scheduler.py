@@ -18,7 +18,7 @@ import torch
 from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
 from auk_triton.serving import scheduler as scheduler_module
 from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, DUE_SOON_S, YIELD_SLACK_S, YIELD_WAIT_S, Job,
-                                         TileScheduler, decodable, deliver_first, pick_batch, yields)
+                                         TileScheduler, decodable, deliver_first, pick_batch, plan_under_load, yields)
 
 HOP = 4
 WINDOW = 10  # frames per window of the stand-in plan
@@ -433,6 +433,58 @@ def test_a_request_whose_latents_are_still_being_made_waits_while_others_have_wi
     tags = [tag for batch in decoder.batches for tag in batch]
     assert tags == [1.0, 1.0, 1.0, 2.0, 2.0], decoder.batches
     torch.testing.assert_close(making.waveform(), expected_waveform(20), rtol=0, atol=0)
+
+
+class ShortFirstDecoder(StandInDecoder):
+    """The stand-in's windows after a short first window of SHORT frames, as the codec plans a clip."""
+
+    SHORT = 3
+
+    def plan(self, frames: int, short_first: bool = True):
+        if not short_first or frames <= self.SHORT:
+            return super().plan(frames)
+        return [(0, self.SHORT, 0, self.SHORT)] + [
+            (start, min(WINDOW, frames - start), start, min(start + WINDOW, frames))
+            for start in range(self.SHORT, frames, WINDOW)]
+
+
+def test_under_load_a_request_yet_to_begin_is_planned_once_without_its_short_first_window():
+    decoder = ShortFirstDecoder()
+    begun, waiting, done = (Job(clip(30, tag), RecordingSink([], tag)) for tag in (1.0, 2.0, 3.0))
+    for job in (begun, waiting, done):
+        job.windows = decoder.plan(30)
+    done.next_window = len(done.windows)
+    plan_under_load([waiting, done], decoder.plan)  # no later window waits: nothing changes
+    assert waiting.windows == decoder.plan(30) and not waiting.planned_under_load
+    begun.next_window = 1
+    plan_under_load([begun, waiting], decoder.plan)
+    assert waiting.windows == decoder.plan(30, short_first=False) and waiting.planned_under_load
+    assert begun.windows == decoder.plan(30), "a stream that has begun keeps its windows"
+    waiting.windows = ["kept"]
+    plan_under_load([begun, waiting], decoder.plan)
+    assert waiting.windows == ["kept"], "planned once"
+
+
+@pytest.mark.parametrize("short_first_under_load", [True, False])
+def test_a_request_that_comes_while_another_stream_is_decoding_keeps_its_short_first_window_unless_told_not_to(
+        scheduler_of, short_first_under_load):
+    decoder = ShortFirstDecoder(capacity=1)
+    decoder.permits = threading.Semaphore(1)  # the first stream's short window only
+    scheduler = scheduler_of(decoder, short_first_under_load=short_first_under_load)
+    log = []
+    first = submit(scheduler, 30, 1.0, log)
+    deadline = time.monotonic() + 10
+    while not first.tiles and time.monotonic() < deadline:
+        time.sleep(0.001)
+    second = submit(scheduler, 30, 2.0, log)  # while the first stream has later windows to decode
+    for _ in range(20):
+        decoder.permits.release()
+    assert first.ended.wait(10) and second.ended.wait(10)
+    assert [start // HOP for start, _ in first.tiles] == [0, 3, 13, 23], "the decoder was free: a short window"
+    expected = [0, 3, 13, 23] if short_first_under_load else [0, 10, 20]
+    assert [start // HOP for start, _ in second.tiles] == expected
+    for sink in (first, second):
+        torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
 
 
 def test_only_jobs_whose_latents_are_final_are_decodable_while_any_of_them_has_a_window_left():
