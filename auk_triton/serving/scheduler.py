@@ -19,7 +19,8 @@ same order, up to that key's batch capacity:
    keep the older streams waiting for as long as requests arrive.
 
 A clip's first window is short (the decoder's `first_tile_frames`), so its first audio comes
-after one small replay; the window after it still decodes the clip from frame 0. With
+after one small replay; the window after it decodes those frames again as its left context
+(from frame 0 with the default 32 frames, fewer than the decoder's 53 of context). With
 `short_first_under_load` off, a request that has yet to begin while other streams' later
 windows wait to decode is planned without it (`plan_under_load`): at saturation the decoder
 does each clip's work once, and the short window stays for a decoder with nothing queued.
@@ -211,9 +212,9 @@ def decodable(jobs: Sequence[Job]) -> list[Job]:
 def plan_under_load(jobs: Sequence[Job], plan: Callable[..., list]) -> None:
     """While another request's later window waits to decode, plan each request whose first window
     is still to come again without the short first window (`plan(frames, short_first=False)`):
-    the short window's replay is work on top of its clip's, which decodes whole from frame 0
-    either way (the window after it begins within the decoder's left context); it buys an early
-    first audio when the decoder is free, and under load it delays every stream behind it."""
+    the short window's replay is work on top of its clip's (the window after it decodes those
+    frames again as its left context); it buys an early first audio when the decoder is free,
+    and under load it delays every stream behind it."""
     if not any(0 < job.next_window < len(job.windows) for job in jobs):
         return
     for job in jobs:
