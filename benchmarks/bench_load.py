@@ -1317,7 +1317,7 @@ def decode_settings(args) -> DecodeSettings:
         batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else default.batch_sizes,
         batch_frames=args.batch_frames or default.batch_frames,
         max_active_requests=args.max_active or default.max_active_requests,
-        first_tile_frames=default.first_tile_frames if args.first_tile_frames is None else args.first_tile_frames,
+        first_tile_frames=args.first_tile_frames,  # None: DecodeSettings' default
         first_tile_under_load=not args.no_first_tile_under_load,
     )
 
