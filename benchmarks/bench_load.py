@@ -1240,8 +1240,8 @@ def parse_args() -> argparse.Namespace:
                         help="served: first_tile_frames, the first window of a longer clip (default: the smallest "
                              "bucket; 0: off)")
     parser.add_argument("--no-first-tile-under-load", action="store_true",
-                        help="served: first_tile_under_load off, no short first window while other streams' later "
-                             "windows wait to decode")
+                        help="served: first_tile_under_load off, no short first window while another request has a "
+                             "window waiting to decode")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     parser.add_argument("--trace", default=None, metavar="FILE",

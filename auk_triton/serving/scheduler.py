@@ -21,9 +21,9 @@ same order, up to that key's batch capacity:
 A clip's first window is short (the decoder's `first_tile_frames`), so its first audio comes
 after one small replay; the window after it decodes those frames again as its left context
 (from frame 0 with the default 32 frames, fewer than the decoder's 53 of context). With
-`short_first_under_load` off, a request that has yet to begin while other streams' later
-windows wait to decode is planned without it (`plan_under_load`): at saturation the decoder
-does each clip's work once, and the short window stays for a decoder with nothing queued.
+`short_first_under_load` off, a request that has yet to begin while another request has a
+window waiting to decode is planned without it (`plan_under_load`): at saturation the decoder
+does each clip's work once, and the short window stays for a decoder with nothing else queued.
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
@@ -210,14 +210,17 @@ def decodable(jobs: Sequence[Job]) -> list[Job]:
 
 
 def plan_under_load(jobs: Sequence[Job], plan: Callable[..., list]) -> None:
-    """While another request's later window waits to decode, plan each request whose first window
+    """While more than one request has a window waiting to decode, plan each whose first window
     is still to come again without the short first window (`plan(frames, short_first=False)`):
     the short window's replay is work on top of its clip's (the window after it decodes those
     frames again as its left context); it buys an early first audio when the decoder is free,
-    and under load it delays every stream behind it."""
-    if not any(0 < job.next_window < len(job.windows) for job in jobs):
+    and under load it delays every stream behind it. Another request's first window counts as
+    much as a later one: at saturation, when the streams have gone without the short window,
+    first windows are all that waits."""
+    waiting = [job for job in jobs if job.next_window < len(job.windows)]
+    if len(waiting) < 2:
         return
-    for job in jobs:
+    for job in waiting:
         if job.next_window == 0 and not job.planned_under_load:
             job.windows = plan(job.latents.shape[1], short_first=False)
             job.planned_under_load = True
@@ -303,8 +306,8 @@ class TileScheduler:
         # Asked at each iteration, after its pick (it may be set after `start`): True while another
         # stage's new requests are about to bring first windows; the scheduler does not look ahead then.
         self.hold_look_ahead: Callable[[], bool] | None = None
-        # False: a request's short first window is planned away while other streams' later
-        # windows wait (`plan_under_load`).
+        # False: a request's short first window is planned away while another request has a
+        # window waiting to decode (`plan_under_load`).
         self.short_first_under_load = short_first_under_load
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline

@@ -454,7 +454,7 @@ def test_under_load_a_request_yet_to_begin_is_planned_once_without_its_short_fir
     for job in (begun, waiting, done):
         job.windows = decoder.plan(30)
     done.next_window = len(done.windows)
-    plan_under_load([waiting, done], decoder.plan)  # no later window waits: nothing changes
+    plan_under_load([waiting, done], decoder.plan)  # no other window waits: nothing changes
     assert waiting.windows == decoder.plan(30) and not waiting.planned_under_load
     begun.next_window = 1
     plan_under_load([begun, waiting], decoder.plan)
@@ -463,6 +463,16 @@ def test_under_load_a_request_yet_to_begin_is_planned_once_without_its_short_fir
     waiting.windows = ["kept"]
     plan_under_load([begun, waiting], decoder.plan)
     assert waiting.windows == ["kept"], "planned once"
+
+
+def test_under_load_another_request_s_first_window_waiting_counts_as_much_as_a_later_one():
+    decoder = ShortFirstDecoder()
+    one, other = (Job(clip(30, tag), RecordingSink([], tag)) for tag in (1.0, 2.0))
+    one.windows = decoder.plan(30)
+    other.windows = decoder.plan(30, short_first=False)  # a full first window, yet to decode
+    plan_under_load([one, other], decoder.plan)
+    assert one.windows == decoder.plan(30, short_first=False) and one.planned_under_load
+    assert other.windows == decoder.plan(30, short_first=False)
 
 
 @pytest.mark.parametrize("short_first_under_load", [True, False])
