@@ -3,6 +3,8 @@ counts its backlog."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 import threading
 import time
@@ -25,8 +27,9 @@ from bench_load import (  # noqa: E402
     pipeline_frames,
     poisson_arrivals,
     server_numbers,
+    served_repository,
 )
-from common import recipes  # noqa: E402
+from common import DEFAULT_COMPILE_SHAPES, REPO_ROOT, recipes  # noqa: E402
 
 from auk_triton.diffusion import AuKDiTSampler  # noqa: E402
 from auk_triton.serving.requests import dit_plan  # noqa: E402
@@ -168,10 +171,6 @@ def test_the_server_numbers_of_a_run_are_what_its_counters_grew_by_and_the_decod
 
 
 def served_options(**given):
-    import argparse
-
-    from common import DEFAULT_COMPILE_SHAPES
-
     options = dict(model="decode", buckets=list(DEFAULT_COMPILE_SHAPES), batch_sizes=None, batch_frames=None,
                    max_active=None, first_tile_frames=None, no_first_tile_under_load=False,
                    decode_yields_to_dit=False, no_decode_look_ahead_during_dit=False)
@@ -179,8 +178,6 @@ def served_options(**given):
 
 
 def parameter(config: Path, key: str) -> str:
-    import re
-
     return re.search(rf'key: "{key}", value: \{{ string_value: "([^"]*)"', config.read_text()).group(1)
 
 
@@ -188,8 +185,6 @@ def parameter(config: Path, key: str) -> str:
                                                     ("decode", "auk_vae_decode", PIPELINE_MODEL)])
 def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_other_as_it_was(tmp_path, model,
                                                                                               decoding, other):
-    from bench_load import served_repository
-
     args = served_options(model=model, buckets=[32, 512], batch_sizes=[1, 4], first_tile_frames=0,
                           no_first_tile_under_load=True, no_decode_look_ahead_during_dit=model == "pipeline")
     repository = served_repository(args, tmp_path / "model_repository")
@@ -200,5 +195,5 @@ def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_othe
     if model == "pipeline":
         assert parameter(configs[0], "decode_look_ahead_during_dit") == "false"
     for config in (repository / other).glob("**/*.pbtxt"):
-        assert config.read_text() == (Path(__file__).resolve().parents[2] / "model_repository" / other
+        assert config.read_text() == (REPO_ROOT / "model_repository" / other
                                       / config.relative_to(repository / other)).read_text()
