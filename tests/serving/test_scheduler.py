@@ -483,14 +483,14 @@ def test_the_decoder_counts_as_saturated_from_a_busy_share_of_the_window_until_i
     assert busy.share(1.6) == pytest.approx(0.8) and not busy.update(1.6), "0.8 is short of 0.85"
     busy.add(1.8, 0.2)
     assert busy.update(1.8), "1.8 s busy of the last 2"
-    assert busy.share(2.25) == pytest.approx(0.8) and busy.update(2.25), "two iterations left the window: 0.8 is still"
+    assert busy.share(2.25) == pytest.approx(0.8) and busy.update(2.25), "two iterations gone: 0.8 stays saturated"
     assert busy.share(2.55) == pytest.approx(0.65) and not busy.update(2.55), "below 0.75: no longer"
     busy.add(2.6, 0.4)
     assert busy.share(2.65) == pytest.approx(0.8) and not busy.update(2.65), "back at 0.8, not saturated again yet"
     assert busy.share(60.0) == 0.0, "an idle decoder's old iterations leave the window"
     for end in range(1000):  # never asked, as with the short window on: a window's worth is kept
         busy.add(60.0 + end / 10, 0.01)
-    assert len(busy._spans) <= 21
+    assert len(busy._spans) <= 21, "its memory stays bounded"
 
 
 @pytest.mark.parametrize("short_first_under_load, saturated, expected", [
