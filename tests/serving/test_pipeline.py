@@ -434,23 +434,36 @@ def dit_steps(server, expect_requests: float | None = None) -> tuple[float, floa
         time.sleep(0.05)
 
 
-def while_busy(url: str, work):
-    """Run `work` while a long auk_dit request keeps the model busy, so that what `work` sends
-    joins a run in progress; the long request's latents come back too."""
+def while_busy(server, work, model: str = "auk_dit"):
+    """Run `work` while a long request keeps `model`'s sampling thread busy (auk_dit's, or the
+    DiT that auk_pipeline holds in its own process), so that what `work` sends to that model
+    joins a run in progress; the long request's result comes back too."""
     import threading
+    import time
 
+    long_request = dict(prompt_embeds=random_prompt_embeds(4, seed=40), seconds=20.0, seed=0, num_steps=40,
+                        guidance=0.0, url=server.grpc_url)
+    if model == "auk_pipeline":
+        def run():
+            return _stitch(list(stream_pipeline(**long_request))).shape == (1000 * HOP,)
+    else:
+        def run():
+            return generate_latents(**long_request).shape == (1000, 64)
+    handed_over = server.metric("nv_inference_exec_count", model=model)
     blocker = {}
-    thread = threading.Thread(target=lambda: blocker.setdefault("latents", generate_latents(
-        random_prompt_embeds(4, seed=40), 20.0, 0, url=url, num_steps=40, guidance=0.0)))
+    thread = threading.Thread(target=lambda: blocker.setdefault("done", run()))
     thread.start()
     try:
-        import time
-
-        time.sleep(0.5)  # the long request is sampling
+        # Until the model's execute has handed the long request to its sampling thread: after a
+        # fixed wait, a slow start could still leave `work` to an idle sampler.
+        deadline = time.monotonic() + 60
+        while server.metric("nv_inference_exec_count", model=model) <= handed_over:
+            assert time.monotonic() < deadline and thread.is_alive(), f"the long request never reached {model}"
+            time.sleep(0.01)
         return work()
     finally:
         thread.join(timeout=300)
-        assert blocker["latents"].shape == (1000, 64)
+        assert blocker.get("done"), "the long request came back whole"
 
 
 def concurrently(calls):
@@ -467,9 +480,12 @@ def concurrently(calls):
         return list(pool.map(guarded, calls))
 
 
-# Prompts and durations of different lengths, one recipe (CFG 2, 3 steps): one run, padded.
+# Prompts and durations of different lengths, one recipe (CFG 2, BATCHED_STEPS steps): one run,
+# padded. Six steps, so that a request that arrives a few of the others' steps late still shares.
+BATCHED_STEPS = 6
 BATCHED_PIPELINE_REQUESTS = [
-    dict(prompt_embeds=random_prompt_embeds(tokens, seed=50 + i), seconds=seconds, seed=60 + i, num_steps=3)
+    dict(prompt_embeds=random_prompt_embeds(tokens, seed=50 + i), seconds=seconds, seed=60 + i,
+         num_steps=BATCHED_STEPS)
     for i, (tokens, seconds) in enumerate([(3, 1.0), (9, 2.6), (5, 0.3), (9, 1.7)])
 ]
 
@@ -479,14 +495,17 @@ def test_concurrent_pipeline_requests_share_steps_and_each_streams_the_decode_of
 ):
     url = pipeline_server.grpc_url
     steps, requests = dit_steps(pipeline_server)
-    streamed = while_busy(url, lambda: concurrently(
-        [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]))
-    # The long request's 40 steps and each request's 3: every request counted once a step...
-    served = 40 + 3 * len(BATCHED_PIPELINE_REQUESTS)
+    streamed = while_busy(pipeline_server, lambda: concurrently(
+        [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]),
+        model="auk_pipeline")
+    # The long request's 40 steps and each request's own: every request counted once a step...
+    served = 40 + BATCHED_STEPS * len(BATCHED_PIPELINE_REQUESTS)
     after_steps, after_requests = dit_steps(pipeline_server, expect_requests=requests + served)
     assert after_requests - requests == served
-    # ...in fewer velocity calls: the four shared theirs (one guided run, joined as they arrived).
-    assert after_steps - steps <= 40 + 3 * (len(BATCHED_PIPELINE_REQUESTS) - 1), (after_steps - steps, served)
+    # ...in fewer velocity calls: the four shared theirs (one guided run beside the long unguided
+    # one, joined between its steps as they arrived).
+    assert after_steps - steps <= 40 + BATCHED_STEPS * (len(BATCHED_PIPELINE_REQUESTS) - 1), (after_steps - steps,
+                                                                                              served)
     for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
         alone = generate_latents(**request, url=url)  # sampled alone: nothing else is queued now
         expected = assemble(list(stream_decode(alone, url=url, timeout=600)))
@@ -505,7 +524,7 @@ def test_a_bad_request_in_a_batch_gets_its_error_and_the_rest_of_the_batch_its_l
            ({**good[0], "num_steps": 0}, "at least 1"),
            ({**good[0], "prompt_embeds": OVERFLOWING_EMBEDS}, OVERFLOW_FAILURE)]  # fails in the run
     requests = [good[0], bad[0][0], bad[1][0], good[1], bad[2][0]]
-    got = while_busy(url, lambda: concurrently(
+    got = while_busy(pipeline_server, lambda: concurrently(
         [lambda r=r: generate_latents(**r, url=url, check=False) for r in requests]))
     for (_, message), result in zip(bad, (got[1], got[2], got[4])):
         assert isinstance(result, (AuKClientError, InferenceServerException)) and message in str(result), result
@@ -549,8 +568,9 @@ def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_
     server = start_triton(tmp_path, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
     try:
         url = server.grpc_url
-        streamed = while_busy(url, lambda: concurrently(
-            [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]))
+        streamed = while_busy(server, lambda: concurrently(
+            [lambda r=r: _stitch(list(stream_pipeline(**r, url=url))) for r in BATCHED_PIPELINE_REQUESTS]),
+            model="auk_pipeline")
         for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
             assert not isinstance(audio, Exception), audio
             alone = generate_latents(**request, url=url)
