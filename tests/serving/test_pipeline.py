@@ -503,9 +503,9 @@ def test_concurrent_pipeline_requests_share_steps_and_each_streams_the_decode_of
     after_steps, after_requests = dit_steps(pipeline_server, expect_requests=requests + served)
     assert after_requests - requests == served
     # ...in fewer velocity calls: the four shared theirs (one guided run beside the long unguided
-    # one, joined between its steps as they arrived).
-    assert after_steps - steps <= 40 + BATCHED_STEPS * (len(BATCHED_PIPELINE_REQUESTS) - 1), (after_steps - steps,
-                                                                                              served)
+    # one, joined between its steps as they arrived), at least one request's worth.
+    most_calls = 40 + BATCHED_STEPS * (len(BATCHED_PIPELINE_REQUESTS) - 1)
+    assert after_steps - steps <= most_calls, (after_steps - steps, served)
     for request, audio in zip(BATCHED_PIPELINE_REQUESTS, streamed):
         alone = generate_latents(**request, url=url)  # sampled alone: nothing else is queued now
         expected = assemble(list(stream_decode(alone, url=url, timeout=600)))
