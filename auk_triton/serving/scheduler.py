@@ -359,7 +359,7 @@ class TileScheduler:
         # False: a request's short first window is planned away while the decoder is saturated
         # (`busy`) and another request has a window waiting to decode (`plan_under_load`).
         self.short_first_under_load = short_first_under_load
-        self.busy = BusyShare()  # fed and asked on the scheduler's thread, on time.perf_counter
+        self.busy = BusyShare()  # with the short window off: fed and asked on the scheduler's thread
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
@@ -659,7 +659,8 @@ class TileScheduler:
             elif job.sink.cancelled():  # only where another tile would follow
                 self._end(job, job.sink.stop)
         self.underruns += report.underruns
-        self.busy.add(time.perf_counter(), report.decode_seconds + report.send_seconds)
+        if not self.short_first_under_load:  # the only reader of the busy share
+            self.busy.add(time.perf_counter(), report.decode_seconds + report.send_seconds)
         report.active, report.queued = len(self._jobs), len(self._queued)
         if self.on_iteration is not None:
             self.on_iteration(report)

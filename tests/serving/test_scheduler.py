@@ -488,7 +488,7 @@ def test_the_decoder_counts_as_saturated_from_a_busy_share_of_the_window_until_i
     busy.add(2.6, 0.4)
     assert busy.share(2.65) == pytest.approx(0.8) and not busy.update(2.65), "back at 0.8, not saturated again yet"
     assert busy.share(60.0) == 0.0, "an idle decoder's old iterations leave the window"
-    for end in range(1000):  # never asked, as with the short window on: a window's worth is kept
+    for end in range(1000):  # fed but not asked: a window's worth is kept
         busy.add(60.0 + end / 10, 0.01)
     assert len(busy._spans) <= 21, "its memory stays bounded"
 
