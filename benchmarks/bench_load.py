@@ -1240,8 +1240,8 @@ def parse_args() -> argparse.Namespace:
                         help="served: first_tile_frames, the first window of a longer clip (default: the smallest "
                              "bucket; 0: off)")
     parser.add_argument("--no-first-tile-under-load", action="store_true",
-                        help="served: first_tile_under_load off, no short first window while the decoder is "
-                             "saturated and another request has a window waiting to decode")
+                        help="served: first_tile_under_load off, no short first window while another request has a "
+                             "window waiting to decode")
     parser.add_argument("--cache-dir", default=None, help="compile caches and the checkpoint (default: a new folder)")
     parser.add_argument("--log", default="tritonserver.log")
     parser.add_argument("--trace", default=None, metavar="FILE",
@@ -1388,7 +1388,7 @@ def main() -> None:
     say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "
         f"max active requests {settings.max_active_requests}, first window {settings.first_window_frames() or 'off'}"
-        f"{'' if settings.first_tile_under_load else ' (none at saturation)'}")
+        f"{'' if settings.first_tile_under_load else ' (none under load)'}")
     if pipeline:  # the DiT's recipe is its checkpoint's (flash, or base) and the request's knobs
         checkpoint = recipe_checkpoints(cache, args.preset)[args.recipe]
     else:

@@ -152,8 +152,8 @@ class DecodeSettings:
     compile_shapes: tuple[int, ...] | None = None  # None: the codec's buckets (buckets())
     tile_frames: int | None = None  # None: the largest compile shape; 0: no tiling
     first_tile_frames: int | None = None  # None: the smallest compile shape; 0: off
-    # False: no short first window while the decoder is saturated and another request has a
-    # window waiting to decode (scheduler.BusyShare, scheduler.plan_under_load).
+    # False: no short first window while another request has a window waiting to decode
+    # (scheduler.plan_under_load).
     first_tile_under_load: bool = True
     max_graphs: int = 32
     frame_alignment: int = 1

@@ -21,11 +21,9 @@ same order, up to that key's batch capacity:
 A clip's first window is short (the decoder's `first_tile_frames`), so its first audio comes
 after one small replay; the window after it decodes those frames again as its left context
 (from frame 0 with the default 32 frames, fewer than the decoder's 53 of context). With
-`short_first_under_load` off, while the decoder is saturated (`BusyShare`: its thread busy
-decoding or sending for most of the last seconds), a request that has yet to begin while
-another request has a window waiting to decode is planned without it (`plan_under_load`): at
-saturation the decoder does each clip's work once. Below saturation, and for a decoder with
-nothing else queued, the short window stays.
+`short_first_under_load` off, a request that has yet to begin while another request has a
+window waiting to decode is planned without it (`plan_under_load`): at saturation the decoder
+does each clip's work once, and the short window stays for a decoder with nothing else queued.
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
@@ -119,15 +117,6 @@ YIELD_WAIT_S = 0.2
 YIELD_SLACK_S = 0.26
 # How often a scheduler whose every window left is waiting asks `yield_to` again.
 YIELD_POLL_S = 0.002
-# With `short_first_under_load` off: the decoder counts as saturated once its thread has been
-# busy (decoding or sending) SATURATED_BUSY_SHARE of the last BUSY_WINDOW_S, and until that share
-# falls below UNSATURATED_BUSY_SHARE. The window is seconds, so that a burst of arrivals below
-# capacity does not count; the gap between the two shares keeps a saturated decoder from
-# switching at every pick, which let streams fall behind
-# (benchmarks/studies/pipeline-open-loop-tail.md).
-BUSY_WINDOW_S = 2.0
-SATURATED_BUSY_SHARE = 0.85
-UNSATURATED_BUSY_SHARE = 0.75
 
 
 class StreamSink(Protocol):
@@ -220,53 +209,14 @@ def decodable(jobs: Sequence[Job]) -> list[Job]:
     return list(jobs)
 
 
-@dataclass(eq=False)
-class BusyShare:
-    """Whether the decoder is saturated: the share of the last `window_s` its thread spent
-    decoding or sending (`add`: each iteration's end and busy seconds, on one clock), at `on`
-    or more, and until it falls below `off`."""
-
-    window_s: float = BUSY_WINDOW_S
-    on: float = SATURATED_BUSY_SHARE
-    off: float = UNSATURATED_BUSY_SHARE
-    saturated: bool = False
-    _spans: deque = field(default_factory=deque)  # (end, busy seconds), oldest first
-    _busy_s: float = 0.0  # their sum
-
-    def add(self, end: float, busy_s: float) -> None:
-        self._forget(end)
-        self._spans.append((end, busy_s))
-        self._busy_s += busy_s
-
-    def share(self, now: float) -> float:
-        """The busy seconds of the iterations that ended within the last `window_s`, over it."""
-        self._forget(now)
-        return max(0.0, self._busy_s) / self.window_s
-
-    def _forget(self, now: float) -> None:
-        """Drop the iterations that ended before the window (on every `add` too: unasked, the
-        spans stay a window's worth)."""
-        while self._spans and self._spans[0][0] < now - self.window_s:
-            self._busy_s -= self._spans.popleft()[1]
-        if not self._spans:
-            self._busy_s = 0.0  # no rounding left over from the subtractions
-
-    def update(self, now: float) -> bool:
-        share = self.share(now)
-        self.saturated = share >= (self.off if self.saturated else self.on)
-        return self.saturated
-
-
 def plan_under_load(jobs: Sequence[Job], plan: Callable[..., list]) -> None:
     """While more than one request has a window waiting to decode, plan each whose first window
     is still to come again without the short first window (`plan(frames, short_first=False)`):
     the short window's replay is work on top of its clip's (the window after it decodes those
     frames again as its left context); it buys an early first audio when the decoder is free,
-    and at saturation it delays every stream behind it. Another request's first window counts as
+    and under load it delays every stream behind it. Another request's first window counts as
     much as a later one: at saturation, when the streams have gone without the short window,
-    first windows are all that waits. The scheduler asks only while the decoder is saturated
-    (`BusyShare`): below it, two requests waiting at once is common, and the short window
-    buys their first audio."""
+    first windows are all that waits."""
     waiting = [job for job in jobs if job.next_window < len(job.windows)]
     if len(waiting) < 2:
         return
@@ -356,10 +306,9 @@ class TileScheduler:
         # Asked at each iteration, after its pick (it may be set after `start`): True while another
         # stage's new requests are about to bring first windows; the scheduler does not look ahead then.
         self.hold_look_ahead: Callable[[], bool] | None = None
-        # False: a request's short first window is planned away while the decoder is saturated
-        # (`busy`) and another request has a window waiting to decode (`plan_under_load`).
+        # False: a request's short first window is planned away while another request has a
+        # window waiting to decode (`plan_under_load`).
         self.short_first_under_load = short_first_under_load
-        self.busy = BusyShare()  # with the short window off: fed and asked on the scheduler's thread
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
@@ -539,7 +488,7 @@ class TileScheduler:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
         jobs = [job for job in self._jobs if not job.stop_asked and job.next_window < len(job.windows)]
-        if not self.short_first_under_load and self.busy.update(time.perf_counter()):
+        if not self.short_first_under_load:
             plan_under_load(jobs, self.decoder.plan)
         left = len(jobs)
         if self.yield_to is not None and self.yield_to():
@@ -659,8 +608,6 @@ class TileScheduler:
             elif job.sink.cancelled():  # only where another tile would follow
                 self._end(job, job.sink.stop)
         self.underruns += report.underruns
-        if not self.short_first_under_load:  # the only reader of the busy share
-            self.busy.add(time.perf_counter(), report.decode_seconds + report.send_seconds)
         report.active, report.queued = len(self._jobs), len(self._queued)
         if self.on_iteration is not None:
             self.on_iteration(report)

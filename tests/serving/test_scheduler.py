@@ -17,9 +17,8 @@ import torch
 
 from auk_triton.serving.errors import RequestError, ServerBusy, ServerStopping
 from auk_triton.serving import scheduler as scheduler_module
-from auk_triton.serving.scheduler import (BUSY_WINDOW_S, DELIVER_FIRST_SLACK_S, DUE_SOON_S, YIELD_SLACK_S,
-                                         YIELD_WAIT_S, BusyShare, Job, TileScheduler, decodable, deliver_first,
-                                         pick_batch, plan_under_load, yields)
+from auk_triton.serving.scheduler import (DELIVER_FIRST_SLACK_S, DUE_SOON_S, YIELD_SLACK_S, YIELD_WAIT_S, Job,
+                                         TileScheduler, decodable, deliver_first, pick_batch, plan_under_load, yields)
 
 HOP = 4
 WINDOW = 10  # frames per window of the stand-in plan
@@ -476,36 +475,12 @@ def test_under_load_another_request_s_first_window_waiting_counts_as_much_as_a_l
     assert other.windows == decoder.plan(30, short_first=False)
 
 
-def test_the_decoder_counts_as_saturated_from_a_busy_share_of_the_window_until_it_falls_below_the_lower_share():
-    busy = BusyShare(window_s=2.0, on=0.85, off=0.75)
-    for end in range(1, 17):  # 16 iterations of 0.1 s busy each, one every 0.1 s: 1.6 s of 2
-        busy.add(end / 10, 0.1)
-    assert busy.share(1.6) == pytest.approx(0.8) and not busy.update(1.6), "0.8 is short of 0.85"
-    busy.add(1.8, 0.2)
-    assert busy.update(1.8), "1.8 s busy of the last 2"
-    assert busy.share(2.25) == pytest.approx(0.8) and busy.update(2.25), "two iterations gone: 0.8 stays saturated"
-    assert busy.share(2.55) == pytest.approx(0.65) and not busy.update(2.55), "below 0.75: no longer"
-    busy.add(2.6, 0.4)
-    assert busy.share(2.65) == pytest.approx(0.8) and not busy.update(2.65), "back at 0.8, not saturated again yet"
-    assert busy.share(60.0) == 0.0, "an idle decoder's old iterations leave the window"
-    for end in range(1000):  # fed but not asked: a window's worth is kept
-        busy.add(60.0 + end / 10, 0.01)
-    assert len(busy._spans) <= 21, "its memory stays bounded"
-
-
-@pytest.mark.parametrize("short_first_under_load, saturated, expected", [
-    (True, False, [0, 3, 13, 23]),
-    (True, True, [0, 3, 13, 23]),
-    (False, False, [0, 3, 13, 23]),
-    (False, True, [0, 10, 20]),
-])
-def test_a_request_that_comes_while_another_stream_decodes_keeps_its_short_first_window_unless_off_at_saturation(
-        scheduler_of, short_first_under_load, saturated, expected):
+@pytest.mark.parametrize("short_first_under_load", [True, False])
+def test_a_request_that_comes_while_another_stream_is_decoding_keeps_its_short_first_window_unless_told_not_to(
+        scheduler_of, short_first_under_load):
     decoder = ShortFirstDecoder(capacity=1)
     decoder.permits = threading.Semaphore(1)  # the first stream's short window only
     scheduler = scheduler_of(decoder, short_first_under_load=short_first_under_load)
-    if saturated:  # as if the thread had been busy the whole window
-        scheduler.busy.add(time.perf_counter(), BUSY_WINDOW_S)
     log = []
     first = submit(scheduler, 30, 1.0, log)
     deadline = time.monotonic() + 10
@@ -515,7 +490,8 @@ def test_a_request_that_comes_while_another_stream_decodes_keeps_its_short_first
     for _ in range(20):
         decoder.permits.release()
     assert first.ended.wait(10) and second.ended.wait(10)
-    assert [start // HOP for start, _ in first.tiles] == [0, 3, 13, 23], "nothing else waited: a short window"
+    assert [start // HOP for start, _ in first.tiles] == [0, 3, 13, 23], "the decoder was free: a short window"
+    expected = [0, 3, 13, 23] if short_first_under_load else [0, 10, 20]
     assert [start // HOP for start, _ in second.tiles] == expected
     for sink in (first, second):
         torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
