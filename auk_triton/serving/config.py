@@ -374,6 +374,10 @@ class PipelineSettings:
     # that lowered the open loop's first audio p99, but at saturation a few streams fell behind
     # their audio (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_look_ahead_during_dit: bool = True
+    # A request's short first window is kept while the DiT holds requests back for want of room
+    # in the decoder too. False: then it is planned away (scheduler.TileScheduler.saturated), so
+    # that at saturation the decoder does each clip's work once; below it, the short window stays.
+    first_tile_at_saturation: bool = True
 
     @classmethod
     def from_model_config(cls, model_config: Mapping) -> "PipelineSettings":
@@ -383,6 +387,8 @@ class PipelineSettings:
             decode_yields_to_dit=bool_parameter(params, "decode_yields_to_dit", default.decode_yields_to_dit),
             decode_look_ahead_during_dit=bool_parameter(params, "decode_look_ahead_during_dit",
                                                         default.decode_look_ahead_during_dit),
+            first_tile_at_saturation=bool_parameter(params, "first_tile_at_saturation",
+                                                    default.first_tile_at_saturation),
         )
 
 

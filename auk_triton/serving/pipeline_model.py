@@ -33,6 +33,10 @@ requests (scheduler.yields): a new request's steps then run without other clips'
 ahead of them on the GPU, first windows still going first
 (benchmarks/studies/pipeline-open-loop-tail.md).
 
+With `first_tile_at_saturation` off, a request's short first window is planned away while the
+DiT holds requests back for the decoder (scheduler.TileScheduler.saturated): at saturation the
+decoder then does each clip's work once.
+
 A request that breaks the DiT's limits gets its error before sampling, for that request
 alone; a client that goes away stops its request at the DiT's next step or at the decoder's
 next window.
@@ -142,6 +146,9 @@ class TritonPythonModel:
         if not pipeline.decode_look_ahead_during_dit:
             self.decoder.scheduler.hold_look_ahead = lambda: sampling.busy
             log("info", f"{self.name}: the decoder hands its tiles over before each pick while the DiT holds requests")
+        if not pipeline.first_tile_at_saturation:
+            self.decoder.scheduler.saturated = lambda: sampling.holding_back
+            log("info", f"{self.name}: no short first window while the DiT holds requests back for the decoder")
 
     def execute(self, requests):
         """Check each request and hand it to the DiT's sampling thread; return at once. The

@@ -40,6 +40,7 @@ class SamplingThread:
         self._runs, self._answer, self._after_step, self._stream = runs, answer, after_step, stream
         self._admit = admit
         self._held: deque = deque()  # taken from the inbox, waiting for `admit`
+        self._holding_back = False  # whether `admit` refused the next of them, as of the last look
         self._holding = False  # whether `runs` holds a request, as of this thread's last look
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -56,12 +57,19 @@ class SamplingThread:
         back (read from any thread: a moment's view)."""
         return self._holding or not self._inbox.empty()
 
+    @property
+    def holding_back(self) -> bool:
+        """Whether `admit` holds requests back: the stage after this one has work enough (read
+        from any thread: a moment's view)."""
+        return self._holding_back
+
     def stop(self, timeout_s: float = 30.0) -> list:
         """Stop after the step in progress; the tags of the requests never answered."""
         self._stopping.set()
         self._thread.join(timeout_s)
         held = [*self._held, *self._take_inbox()]
         self._held.clear()
+        self._holding_back = False
         self._holding = False  # what it held is handed back: the GPU has nothing more from it
         return [tag for _, tag, _ in held] + self._runs.drain()
 
@@ -88,6 +96,7 @@ class SamplingThread:
                     self._runs.submit(plan, tag, should_stop)
                 except Exception as err:  # its grid's modulation table could not be computed
                     self._answer(tag, err)
+            self._holding_back = bool(self._held)
             self._holding = bool(len(self._runs))
             if not self._holding:
                 continue

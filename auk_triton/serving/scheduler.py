@@ -24,6 +24,9 @@ after one small replay; the window after it decodes those frames again as its le
 `short_first_under_load` off, a request that has yet to begin while another request has a
 window waiting to decode is planned without it (`plan_under_load`): at saturation the decoder
 does each clip's work once, and the short window stays for a decoder with nothing else queued.
+Another stage may tell it when the server is saturated (`saturated`, `auk_pipeline`'s DiT while
+it holds requests back for want of room here): the short window is then planned away as with
+`short_first_under_load` off, and kept below saturation.
 
 The scheduler is work-conserving: it decodes ahead of the deadlines whenever it
 can, so a request ends as early as the GPU allows; the deadlines only order the
@@ -309,6 +312,10 @@ class TileScheduler:
         # False: a request's short first window is planned away while another request has a
         # window waiting to decode (`plan_under_load`).
         self.short_first_under_load = short_first_under_load
+        # Asked before each pick (it may be set after `start`): True while another stage holds its
+        # requests back for want of room here; the short first window is then planned away as with
+        # `short_first_under_load` off. None: never.
+        self.saturated: Callable[[], bool] | None = None
         self.yielding = 0  # requests whose next window waited at the last pick (a moment's view)
         self.underruns = 0  # tiles handed over after their deadline
         self._jobs: list[Job] = []  # admitted, not finished
@@ -488,7 +495,7 @@ class TileScheduler:
         """The next batch (under the lock); each job's window index moves on as it is taken."""
         now, frame_seconds = self.clock(), self.hop_size / self.sample_rate
         jobs = [job for job in self._jobs if not job.stop_asked and job.next_window < len(job.windows)]
-        if not self.short_first_under_load:
+        if not self.short_first_under_load or (self.saturated is not None and self.saturated()):
             plan_under_load(jobs, self.decoder.plan)
         left = len(jobs)
         if self.yield_to is not None and self.yield_to():

@@ -261,3 +261,12 @@ def test_auk_pipelines_decoder_looks_ahead_while_the_dit_works_as_shipped_and_no
     assert PipelineSettings.from_model_config(off).decode_look_ahead_during_dit is False
     with pytest.raises(ValueError, match="decode_look_ahead_during_dit is 'later'; use true or false"):
         PipelineSettings.from_model_config({"parameters": {"decode_look_ahead_during_dit": {"string_value": "later"}}})
+
+
+def test_auk_pipelines_decoder_keeps_the_short_first_window_at_saturation_as_shipped_and_not_when_asked():
+    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
+        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).first_tile_at_saturation
+    off = {"parameters": {"first_tile_at_saturation": {"string_value": "false"}}}
+    assert PipelineSettings.from_model_config(off).first_tile_at_saturation is False
+    with pytest.raises(ValueError, match="first_tile_at_saturation is 'rarely'; use true or false"):
+        PipelineSettings.from_model_config({"parameters": {"first_tile_at_saturation": {"string_value": "rarely"}}})

@@ -557,12 +557,14 @@ def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_
         tmp_path, small_checkpoint):
     """decode_yields_to_dit: while the long request keeps the DiT busy, the others' later windows
     wait (each up to YIELD_WAIT_S: their audio lasts longer than the slack), and every stream
-    still ends, each the decode of its own latents. With decode_look_ahead_during_dit off too
-    (on a CPU the decoder never looks ahead: the switch is only taken)."""
+    still ends, each the decode of its own latents. With decode_look_ahead_during_dit and
+    first_tile_at_saturation off too (on a CPU the decoder never looks ahead: that switch is only
+    taken; whether a short first window is planned away or not, the stitched audio is the same)."""
     checkpoint = checkpoint_with_dit(small_checkpoint, tmp_path / "checkpoint")
     repository = copy_model_repository(tmp_path / "model_repository", models=("auk_vae_decode", "auk_pipeline"),
                                        parameters={"decode_yields_to_dit": "true",
-                                                   "decode_look_ahead_during_dit": "false"})
+                                                   "decode_look_ahead_during_dit": "false",
+                                                   "first_tile_at_saturation": "false"})
     shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
                     ignore=shutil.ignore_patterns("__pycache__"))
     server = start_triton(tmp_path, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
@@ -578,5 +580,6 @@ def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_
             np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-4)
         assert "auk_pipeline: the decoder's later windows wait while the DiT holds requests" in server.log()
         assert "auk_pipeline: the decoder hands its tiles over before each pick while the DiT holds" in server.log()
+        assert "auk_pipeline: no short first window while the DiT holds requests back" in server.log()
     finally:
         server.stop()

@@ -108,6 +108,23 @@ def test_it_is_busy_while_its_runs_hold_a_request_and_not_for_one_admit_holds_ba
     assert thread.stop(timeout_s=5) == ["held back"]
 
 
+def test_it_says_it_holds_back_only_while_admit_refuses_a_request_it_has():
+    runs, admitted = StandInRuns(steps=10**9), threading.Event()
+    thread = SamplingThread(runs, lambda tag, result: None, admit=admitted.is_set)
+    time.sleep(0.1)
+    assert not thread.holding_back, "nothing to hold back"
+    thread.submit("plan", "held back")
+    deadline = time.monotonic() + 10
+    while not thread.holding_back and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.holding_back and len(runs) == 0
+    admitted.set()
+    while thread.holding_back and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not thread.holding_back and len(runs) == 1, "admitted: it joined, and nothing is held back"
+    assert thread.stop(timeout_s=5) == ["held back"]
+
+
 def test_it_is_idle_again_once_its_last_request_has_left():
     answers = []
     thread = SamplingThread(StandInRuns(steps=3), lambda tag, result: answers.append(tag))

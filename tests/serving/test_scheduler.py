@@ -475,12 +475,16 @@ def test_under_load_another_request_s_first_window_waiting_counts_as_much_as_a_l
     assert other.windows == decoder.plan(30, short_first=False)
 
 
-@pytest.mark.parametrize("short_first_under_load", [True, False])
+@pytest.mark.parametrize("short_first_under_load, saturated", [(True, None), (False, None), (True, False),
+                                                                 (True, True)])
 def test_a_request_that_comes_while_another_stream_is_decoding_keeps_its_short_first_window_unless_told_not_to(
-        scheduler_of, short_first_under_load):
+        scheduler_of, short_first_under_load, saturated):
+    """Told by `short_first_under_load` off, or by another stage saying the server is saturated."""
     decoder = ShortFirstDecoder(capacity=1)
     decoder.permits = threading.Semaphore(1)  # the first stream's short window only
     scheduler = scheduler_of(decoder, short_first_under_load=short_first_under_load)
+    if saturated is not None:
+        scheduler.saturated = lambda: saturated
     log = []
     first = submit(scheduler, 30, 1.0, log)
     deadline = time.monotonic() + 10
@@ -491,7 +495,7 @@ def test_a_request_that_comes_while_another_stream_is_decoding_keeps_its_short_f
         decoder.permits.release()
     assert first.ended.wait(10) and second.ended.wait(10)
     assert [start // HOP for start, _ in first.tiles] == [0, 3, 13, 23], "the decoder was free: a short window"
-    expected = [0, 3, 13, 23] if short_first_under_load else [0, 10, 20]
+    expected = [0, 3, 13, 23] if short_first_under_load and not saturated else [0, 10, 20]
     assert [start // HOP for start, _ in second.tiles] == expected
     for sink in (first, second):
         torch.testing.assert_close(sink.waveform(), expected_waveform(30), rtol=0, atol=0)
