@@ -899,8 +899,8 @@ def served_values(args) -> dict[str, str]:
         values["decode_look_ahead_during_dit"] = "false"
     if args.no_first_tile_under_load:
         values["first_tile_under_load"] = "false"
-    if args.no_first_tile_at_saturation:
-        values["first_tile_at_saturation"] = "false"
+    if args.first_tile_at_saturation:
+        values["first_tile_at_saturation"] = "true"
     return values
 
 
@@ -1177,8 +1177,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"pipeline: serve {PIPELINE_MODEL} with its decode_yields_to_dit parameter on")
     parser.add_argument("--no-decode-look-ahead-during-dit", action="store_true",
                         help=f"pipeline: serve {PIPELINE_MODEL} with its decode_look_ahead_during_dit parameter off")
-    parser.add_argument("--no-first-tile-at-saturation", action="store_true",
-                        help=f"pipeline: serve {PIPELINE_MODEL} with its first_tile_at_saturation parameter off")
+    parser.add_argument("--first-tile-at-saturation", action="store_true",
+                        help=f"pipeline: serve {PIPELINE_MODEL} with its first_tile_at_saturation parameter on")
     parser.add_argument("--front-door", action="store_true",
                         help="start the server as users do (the launcher: the front door before tritonserver) and "
                              "send the load to the front door's gRPC port")
@@ -1275,9 +1275,9 @@ def parse_args() -> argparse.Namespace:
             parser.error("--tokens and --one-client-requests must be at least 1, --capacity-clients at least 0")
     else:
         if (args.recipe is not None or args.decode_yields_to_dit or args.no_decode_look_ahead_during_dit
-                or args.no_first_tile_at_saturation):
+                or args.first_tile_at_saturation):
             parser.error("--recipe, --decode-yields-to-dit, --no-decode-look-ahead-during-dit and "
-                         "--no-first-tile-at-saturation are the pipeline's (--model pipeline)")
+                         "--first-tile-at-saturation are the pipeline's (--model pipeline)")
         args.format = args.format or "pcm16"
     if args.capacity is None:
         args.capacity = args.device == "cuda" and torch.cuda.is_available()
@@ -1304,7 +1304,7 @@ def parse_args() -> argparse.Namespace:
     if args.url and (served_values(args) or args.buckets != list(DEFAULT_COMPILE_SHAPES)):
         parser.error("--buckets, --batch-sizes, --batch-frames, --max-active, --first-tile-frames, "
                      "--no-first-tile-under-load, --decode-yields-to-dit, --no-decode-look-ahead-during-dit and "
-                     "--no-first-tile-at-saturation configure a server started here, not --url's")
+                     "--first-tile-at-saturation configure a server started here, not --url's")
     if args.url and args.metrics_url is None:
         args.metrics_url = f"{args.url.rsplit(':', 1)[0]}:8002"
     if args.connection_per_stream is None:
@@ -1383,7 +1383,7 @@ def main() -> None:
     pipeline = args.model == "pipeline"
     yielding = (", the decoder yielding to the DiT" if args.decode_yields_to_dit else "") + (
         ", no look-ahead while the DiT holds requests" if args.no_decode_look_ahead_during_dit else "") + (
-        ", no short first window at saturation" if args.no_first_tile_at_saturation else "")
+        ", the short first window at saturation too" if args.first_tile_at_saturation else "")
     what = f"the pipeline ({args.recipe}, {args.tokens} prompt tokens{yielding})" if pipeline else "AuK"
     door = ", through the front door" if args.front_door else ""
     say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))

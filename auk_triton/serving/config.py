@@ -374,10 +374,12 @@ class PipelineSettings:
     # that lowered the open loop's first audio p99, but at saturation a few streams fell behind
     # their audio (benchmarks/studies/pipeline-open-loop-tail.md).
     decode_look_ahead_during_dit: bool = True
-    # A request's short first window is kept while the DiT holds requests back for want of room
-    # in the decoder too. False: then it is planned away (scheduler.TileScheduler.saturated), so
-    # that at saturation the decoder does each clip's work once; below it, the short window stays.
-    first_tile_at_saturation: bool = True
+    # False: while the DiT holds requests back for want of room in the decoder, a request's short
+    # first window is planned away (scheduler.TileScheduler.saturated): at saturation the decoder
+    # does each clip's work once, about a tenth more requests a second with no stream behind its
+    # audio; below saturation the short window stays. True keeps it at saturation too
+    # (benchmarks/studies/pipeline-open-loop-tail.md).
+    first_tile_at_saturation: bool = False
 
     @classmethod
     def from_model_config(cls, model_config: Mapping) -> "PipelineSettings":

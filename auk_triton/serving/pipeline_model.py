@@ -33,9 +33,9 @@ requests (scheduler.yields): a new request's steps then run without other clips'
 ahead of them on the GPU, first windows still going first
 (benchmarks/studies/pipeline-open-loop-tail.md).
 
-With `first_tile_at_saturation` off, a request's short first window is planned away while the
-DiT holds requests back for the decoder (scheduler.TileScheduler.saturated): at saturation the
-decoder then does each clip's work once.
+Unless `first_tile_at_saturation` is on, a request's short first window is planned away while
+the DiT holds requests back for the decoder (scheduler.TileScheduler.saturated): at saturation
+the decoder then does each clip's work once.
 
 A request that breaks the DiT's limits gets its error before sampling, for that request
 alone; a client that goes away stops its request at the DiT's next step or at the decoder's

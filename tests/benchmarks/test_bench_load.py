@@ -173,7 +173,7 @@ def test_the_server_numbers_of_a_run_are_what_its_counters_grew_by_and_the_decod
 def served_options(**given):
     options = dict(model="decode", buckets=list(DEFAULT_COMPILE_SHAPES), batch_sizes=None, batch_frames=None,
                    max_active=None, first_tile_frames=None, no_first_tile_under_load=False,
-                   decode_yields_to_dit=False, no_decode_look_ahead_during_dit=False, no_first_tile_at_saturation=False)
+                   decode_yields_to_dit=False, no_decode_look_ahead_during_dit=False, first_tile_at_saturation=False)
     return argparse.Namespace(**{**options, **given})
 
 
@@ -187,7 +187,7 @@ def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_othe
                                                                                               decoding, other):
     args = served_options(model=model, buckets=[32, 512], batch_sizes=[1, 4], first_tile_frames=0,
                           no_first_tile_under_load=True, no_decode_look_ahead_during_dit=model == "pipeline",
-                          no_first_tile_at_saturation=model == "pipeline")
+                          first_tile_at_saturation=model == "pipeline")
     repository = served_repository(args, tmp_path / "model_repository")
     configs = [repository / decoding / "config.pbtxt", repository / decoding / "configs" / "gpu.pbtxt"]
     for config in configs:
@@ -195,7 +195,7 @@ def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_othe
         assert [parameter(config, key) for key in keys] == ["32,512", "1,4", "0", "false"]
     if model == "pipeline":
         assert parameter(configs[0], "decode_look_ahead_during_dit") == "false"
-        assert parameter(configs[0], "first_tile_at_saturation") == "false"
+        assert parameter(configs[0], "first_tile_at_saturation") == "true"
     for config in (repository / other).glob("**/*.pbtxt"):
         assert config.read_text() == (REPO_ROOT / "model_repository" / other
                                       / config.relative_to(repository / other)).read_text()

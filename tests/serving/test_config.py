@@ -263,10 +263,10 @@ def test_auk_pipelines_decoder_looks_ahead_while_the_dit_works_as_shipped_and_no
         PipelineSettings.from_model_config({"parameters": {"decode_look_ahead_during_dit": {"string_value": "later"}}})
 
 
-def test_auk_pipelines_decoder_keeps_the_short_first_window_at_saturation_as_shipped_and_not_when_asked():
+def test_auk_pipelines_decoder_drops_the_short_first_window_at_saturation_as_shipped_and_keeps_it_when_asked():
     for name in ("config.pbtxt", "configs/gpu.pbtxt"):
-        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).first_tile_at_saturation
-    off = {"parameters": {"first_tile_at_saturation": {"string_value": "false"}}}
-    assert PipelineSettings.from_model_config(off).first_tile_at_saturation is False
+        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).first_tile_at_saturation is False
+    on = {"parameters": {"first_tile_at_saturation": {"string_value": "true"}}}
+    assert PipelineSettings.from_model_config(on).first_tile_at_saturation is True
     with pytest.raises(ValueError, match="first_tile_at_saturation is 'rarely'; use true or false"):
         PipelineSettings.from_model_config({"parameters": {"first_tile_at_saturation": {"string_value": "rarely"}}})

@@ -59,6 +59,8 @@ def test_pipeline_streams_the_decode_of_the_dit_latents(pipeline_server):
     # Same seed, same latents; another seed, others.
     np.testing.assert_array_equal(generate_latents(**request, url=url), latents)
     assert not np.array_equal(generate_latents(**{**request, "seed": 12}, url=url), latents)
+    assert "auk_pipeline: no short first window while the DiT holds requests back" in pipeline_server.log(), \
+        "first_tile_at_saturation is off as shipped"
 
 
 def test_optional_inputs_reach_the_dit_through_the_pipeline(pipeline_server):
@@ -557,14 +559,14 @@ def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_
         tmp_path, small_checkpoint):
     """decode_yields_to_dit: while the long request keeps the DiT busy, the others' later windows
     wait (each up to YIELD_WAIT_S: their audio lasts longer than the slack), and every stream
-    still ends, each the decode of its own latents. With decode_look_ahead_during_dit and
-    first_tile_at_saturation off too (on a CPU the decoder never looks ahead: that switch is only
-    taken; whether a short first window is planned away or not, the stitched audio is the same)."""
+    still ends, each the decode of its own latents. With decode_look_ahead_during_dit off and
+    first_tile_at_saturation on too (on a CPU the decoder never looks ahead: that switch is only
+    taken)."""
     checkpoint = checkpoint_with_dit(small_checkpoint, tmp_path / "checkpoint")
     repository = copy_model_repository(tmp_path / "model_repository", models=("auk_vae_decode", "auk_pipeline"),
                                        parameters={"decode_yields_to_dit": "true",
                                                    "decode_look_ahead_during_dit": "false",
-                                                   "first_tile_at_saturation": "false"})
+                                                   "first_tile_at_saturation": "true"})
     shutil.copytree(REPO_ROOT / "model_repository" / "auk_dit", repository / "auk_dit",
                     ignore=shutil.ignore_patterns("__pycache__"))
     server = start_triton(tmp_path, repository, checkpoint, extra_args=["--exit-timeout-secs=3"])
@@ -580,6 +582,6 @@ def test_with_the_decoder_yielding_to_the_dit_requests_beside_a_long_one_stream_
             np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-4)
         assert "auk_pipeline: the decoder's later windows wait while the DiT holds requests" in server.log()
         assert "auk_pipeline: the decoder hands its tiles over before each pick while the DiT holds" in server.log()
-        assert "auk_pipeline: no short first window while the DiT holds requests back" in server.log()
+        assert "auk_pipeline: no short first window while the DiT holds requests back" not in server.log()
     finally:
         server.stop()
