@@ -245,28 +245,15 @@ def test_auk_dits_fp8_linears_are_off_as_shipped_and_on_when_asked(tmp_path):
         DiTSettings.from_model_config({"parameters": {"fp8_linears": {"string_value": "e4m3"}}}, tmp_path, environ={})
 
 
-def test_auk_pipelines_decoder_does_not_yield_to_the_dit_as_shipped_and_does_when_asked():
-    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
-        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).decode_yields_to_dit is False
-    on = {"parameters": {"decode_yields_to_dit": {"string_value": "true"}}}
-    assert PipelineSettings.from_model_config(on).decode_yields_to_dit is True
-    with pytest.raises(ValueError, match="decode_yields_to_dit is 'soon'; use true or false"):
-        PipelineSettings.from_model_config({"parameters": {"decode_yields_to_dit": {"string_value": "soon"}}})
-
-
-def test_auk_pipelines_decoder_looks_ahead_while_the_dit_works_as_shipped_and_not_when_asked():
-    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
-        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).decode_look_ahead_during_dit
-    off = {"parameters": {"decode_look_ahead_during_dit": {"string_value": "false"}}}
-    assert PipelineSettings.from_model_config(off).decode_look_ahead_during_dit is False
-    with pytest.raises(ValueError, match="decode_look_ahead_during_dit is 'later'; use true or false"):
-        PipelineSettings.from_model_config({"parameters": {"decode_look_ahead_during_dit": {"string_value": "later"}}})
-
-
-def test_auk_pipelines_decoder_drops_the_short_first_window_at_saturation_as_shipped_and_keeps_it_when_asked():
-    for name in ("config.pbtxt", "configs/gpu.pbtxt"):
-        assert PipelineSettings.from_model_config(shipped_config("auk_pipeline", name)).first_tile_at_saturation is False
-    on = {"parameters": {"first_tile_at_saturation": {"string_value": "true"}}}
-    assert PipelineSettings.from_model_config(on).first_tile_at_saturation is True
-    with pytest.raises(ValueError, match="first_tile_at_saturation is 'rarely'; use true or false"):
-        PipelineSettings.from_model_config({"parameters": {"first_tile_at_saturation": {"string_value": "rarely"}}})
+@pytest.mark.parametrize("name, shipped", [
+    ("decode_yields_to_dit", False),  # the decoder does not yield to the DiT
+    ("decode_look_ahead_during_dit", True),  # it looks ahead while the DiT works
+    ("first_tile_at_saturation", False),  # it drops the short first window at saturation
+])
+def test_auk_pipelines_own_switches_are_as_documented_as_shipped_and_turn_when_asked(name, shipped):
+    for config in ("config.pbtxt", "configs/gpu.pbtxt"):
+        assert getattr(PipelineSettings.from_model_config(shipped_config("auk_pipeline", config)), name) is shipped
+    turned = {"parameters": {name: {"string_value": str(not shipped).lower()}}}
+    assert getattr(PipelineSettings.from_model_config(turned), name) is (not shipped)
+    with pytest.raises(ValueError, match=f"{name} is 'sometimes'; use true or false"):
+        PipelineSettings.from_model_config({"parameters": {name: {"string_value": "sometimes"}}})
