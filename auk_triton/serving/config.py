@@ -376,7 +376,7 @@ class PipelineSettings:
     decode_look_ahead_during_dit: bool = True
     # False: while the DiT holds requests back for want of room in the decoder, a request's short
     # first window is planned away (scheduler.TileScheduler.saturated): at saturation the decoder
-    # does each clip's work once, about a tenth more requests a second with no stream behind its
+    # does each clip's work once, and serves more requests a second with no stream behind its
     # audio; below saturation the short window stays. True keeps it at saturation too
     # (benchmarks/studies/pipeline-open-loop-tail.md).
     first_tile_at_saturation: bool = False
