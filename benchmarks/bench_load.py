@@ -102,6 +102,8 @@ from common import (
     recipe_checkpoints,
     recipes,
     replay_ms,
+    revision_commit,
+    revision_tree,
     say,
     served_graph,
     start_launcher,
@@ -904,30 +906,33 @@ def served_values(args) -> dict[str, str]:
     return values
 
 
-def served_repository(args, dest: Path) -> Path:
-    """A copy of model_repository/ in `dest` with the options' buckets and parameters on the model
-    that decodes: the decode model, or the pipeline, which decodes in its own process with its own
-    copy of the decoder's parameters."""
+def served_repository(args, dest: Path, project_root: Path = REPO_ROOT) -> Path:
+    """A copy of `project_root`'s model_repository/ in `dest` with the options' buckets and
+    parameters on the model that decodes: the decode model, or the pipeline, which decodes in its
+    own process with its own copy of the decoder's parameters."""
     decoding_model = PIPELINE_MODEL if args.model == "pipeline" else MODEL
     buckets = None if tuple(args.buckets) == tuple(DEFAULT_COMPILE_SHAPES) else args.buckets
-    repository = model_repository_copy(dest, buckets, decoding_model)
+    repository = model_repository_copy(dest, buckets, decoding_model, project_root)
     set_model_parameters(repository / decoding_model, served_values(args))
     return repository
 
 
 def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> tuple[str, str]:
     """Start tritonserver (a copy of model_repository/ where the options change it), alone or
-    (`--front-door`) behind the front door as the launcher starts it; it is stopped when `stack`
-    closes. Returns the gRPC address the load goes to and the metrics address."""
+    (`--front-door`) behind the front door as the launcher starts it, this checkout's or
+    (`--revision`) that revision's; it is stopped when `stack` closes. Returns the gRPC address
+    the load goes to and the metrics address."""
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-server-")))
+    project_root = revision_tree(args.revision, folder / "revision") if args.revision else REPO_ROOT
     repository = None
     if served_values(args) or tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-repository-")))
-        repository = served_repository(args, folder / "model_repository")
+        repository = served_repository(args, folder / "model_repository", project_root)
     models = PIPELINE_MODELS if args.model == "pipeline" else (MODEL,)
     options = dict(ready_timeout_s=args.ready_timeout, device="gpu" if args.device == "cuda" else "cpu",
                    model_repository=repository, extra_args=trace_arguments(Path(args.trace)) if args.trace else ())
     if args.front_door:
-        process, public, _ = start_launcher(checkpoint, cache, Path(args.log), models, **options)
+        process, public, _ = start_launcher(checkpoint, cache, Path(args.log), models, project_root=project_root,
+                                            **options)
         url, metrics_url = f"127.0.0.1:{public['grpc']}", f"127.0.0.1:{public['metrics']}"
     else:
         process, url, _, metrics_url = start_server(checkpoint, cache, Path(args.log), models, **options)
@@ -1182,6 +1187,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--front-door", action="store_true",
                         help="start the server as users do (the launcher: the front door before tritonserver) and "
                              "send the load to the front door's gRPC port")
+    parser.add_argument("--revision", default=None,
+                        help="with --front-door: serve this repository's code at REVISION (a commit, tag or branch, "
+                             "git archive'd into a temporary folder) through its own launcher, not this checkout's: "
+                             "a baseline measured by this load generator, on this machine. The synthetic checkpoints "
+                             "are this checkout's; give the revision a --cache-dir of its own")
     parser.add_argument("--connection-per-stream", action=argparse.BooleanOptionalAction, default=None,
                         help="each stream on a gRPC connection of its own (default: on with --front-door, which "
                              "takes 64 streams a connection; else a worker's streams share one)")
@@ -1297,6 +1307,10 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{address}: only a server on this host (127.0.0.1) is driven")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA here (--device cpu checks the script on the CPU)")
+    if args.revision and not args.front_door:
+        parser.error("--revision serves that revision through its own launcher: add --front-door")
+    if args.revision and revision_commit(args.revision) is None:
+        parser.error(f"--revision {args.revision}: no such commit in this repository")
     if args.url and args.front_door:
         parser.error("--front-door starts a server here; --url drives one already running")
     if args.url and args.trace:
@@ -1388,8 +1402,11 @@ def main() -> None:
     door = ", through the front door" if args.front_door else ""
     say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))
     say(f"command: {command_line()}")
+    if args.revision:
+        say(f"served: the code of {args.revision} ({revision_commit(args.revision)}), not this checkout's")
     settings = decode_settings(args)
     where = ("the running server's settings are its own; in process" if args.url
+             else f"this checkout's; {args.revision} serves its own" if args.revision
              else f"the decoder in {PIPELINE_MODEL}" if pipeline else "served and in process")
     say(f"settings ({where}): buckets {','.join(map(str, settings.buckets()))}, batch sizes "
         f"{','.join(map(str, settings.batch_sizes))}, batch frames {settings.batch_frames or 'one tile'}, "

@@ -10,6 +10,7 @@ loopback ports, alone or behind the front door (the launcher).
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -279,11 +281,12 @@ def perf_analyzer_script() -> Path:
     return HERE / "run_perf_analyzer.py"
 
 
-def model_repository_copy(dest: Path, buckets=None, decoding_model: str = MODEL) -> Path:
-    """A copy of model_repository/ in `dest`; with `buckets`, `decoding_model` compiles those
-    (the compile_shapes parameter of every config file of it: the decode model, which the
-    offline model forwards to, or the pipeline, which decodes in its own process)."""
-    shutil.copytree(REPO_ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
+def model_repository_copy(dest: Path, buckets=None, decoding_model: str = MODEL,
+                          project_root: Path = REPO_ROOT) -> Path:
+    """A copy of `project_root`'s model_repository/ in `dest`; with `buckets`, `decoding_model`
+    compiles those (the compile_shapes parameter of every config file of it: the decode model,
+    which the offline model forwards to, or the pipeline, which decodes in its own process)."""
+    shutil.copytree(project_root / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
     if buckets is not None:
         shapes = ",".join(str(b) for b in buckets)
         for config in (dest / decoding_model).glob("**/*.pbtxt"):
@@ -328,6 +331,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def revision_commit(revision: str) -> str | None:
+    """The commit `revision` (a commit, tag or branch) names in this repository, or None."""
+    found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+                           capture_output=True, text=True)
+    return found.stdout.strip() or None
+
+
+def revision_tree(revision: str, dest: Path) -> Path:
+    """This repository's files at `revision` (a commit, tag or branch), as `git archive` writes
+    them, in `dest`: an earlier version to serve beside today's (`start_launcher`'s project_root)."""
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "--format=tar", revision], capture_output=True)
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {revision}: {archive.stderr.decode(errors='replace').strip()}")
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
 def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 480,
                  device: str = "gpu", model_repository: Path | None = None, extra_args=()):
     """A real tritonserver on free loopback ports, serving `models` (AUK_MODELS) of `model_repository`
@@ -354,28 +376,34 @@ def start_server(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,),
 
 
 def start_launcher(checkpoint: Path, cache: Path, log_path: Path, models=(MODEL,), ready_timeout_s: float = 600,
-                   device: str = "gpu", model_repository: Path | None = None, extra_args=()):
+                   device: str = "gpu", model_repository: Path | None = None, extra_args=(),
+                   project_root: Path = REPO_ROOT):
     """The server as users start it (`make serve`): `python -m auk_triton.front_door.launcher`,
     the front door on free loopback ports and tritonserver behind it on free internal ones,
     serving `models` of `model_repository` (default: the project's) on the `device` config,
     with `extra_args` for tritonserver, its output in `log_path`. A tritonserver that exits
-    ends the launcher (AUK_RESTART=off) rather than being restarted.
+    ends the launcher (AUK_RESTART=off) rather than being restarted. `project_root`: whose
+    code serves, this checkout's or an earlier revision's (`revision_tree`); the launcher runs
+    in it, first on the module path of every process it starts.
 
     Returns the process and the public and internal ports ("http", "grpc", "metrics"; the
     metrics port is tritonserver's own, public) once every model answers READY through the
     front door."""
     public = {kind: free_port() for kind in ("http", "grpc", "metrics")}
     internal = {kind: free_port() for kind in ("http", "grpc")}
+    project_root = Path(project_root).absolute()
     env = dict(
-        os.environ, AUK_CHECKPOINT=str(checkpoint), AUK_CACHE_DIR=str(cache), AUK_DEVICE=device,
-        AUK_MODEL_REPOSITORY=str(model_repository or REPO_ROOT / "model_repository"), AUK_MODELS=",".join(models),
+        os.environ, AUK_CHECKPOINT=str(Path(checkpoint).absolute()), AUK_CACHE_DIR=str(Path(cache).absolute()),
+        AUK_DEVICE=device, AUK_MODELS=",".join(models),
+        AUK_MODEL_REPOSITORY=str(Path(model_repository or project_root / "model_repository").absolute()),
         AUK_ADDRESS="127.0.0.1", AUK_RESTART="off",
+        PYTHONPATH=os.pathsep.join(filter(None, (str(project_root), os.environ.get("PYTHONPATH")))),
         **{f"AUK_{k.upper()}_PORT": str(v) for k, v in public.items()},
         **{f"AUK_INTERNAL_{k.upper()}_PORT": str(v) for k, v in internal.items()},
     )
     log = open(log_path, "w")
     process = subprocess.Popen([sys.executable, "-m", "auk_triton.front_door.launcher", "--exit-timeout-secs=5",
-                                *extra_args], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                *extra_args], env=env, cwd=project_root, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(process, f"127.0.0.1:{public['http']}", models, log_path, ready_timeout_s, "the launcher")
         return process, public, internal
@@ -514,8 +542,8 @@ def model_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float, f
 
 
 def trace_arguments(trace_file: Path) -> list[str]:
-    return [f"--trace-config=triton,file={trace_file}", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
-            "--trace-config=triton,log-frequency=0"]
+    return [f"--trace-config=triton,file={Path(trace_file).absolute()}", "--trace-config=rate=1",
+            "--trace-config=level=TIMESTAMPS", "--trace-config=triton,log-frequency=0"]
 
 
 @dataclass

@@ -199,3 +199,17 @@ def test_the_decoder_options_configure_the_model_that_decodes_and_leave_the_othe
     for config in (repository / other).glob("**/*.pbtxt"):
         assert config.read_text() == (REPO_ROOT / "model_repository" / other
                                       / config.relative_to(repository / other)).read_text()
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--revision", "HEAD"], "--revision serves that revision through its own launcher: add --front-door"),
+    (["--revision", "no-such-revision", "--front-door"], "--revision no-such-revision: no such commit"),
+])
+def test_a_revision_to_serve_needs_the_front_door_and_a_commit_of_this_repository(monkeypatch, capsys, options, error):
+    from bench_load import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["bench_load.py", "--device", "cpu", "--model", "pipeline", *options])
+    with pytest.raises(SystemExit) as exited:
+        parse_args()
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err

@@ -1,14 +1,28 @@
-"""benchmarks/common.py: what the benchmark scripts read back from a server's log."""
+"""benchmarks/common.py: what the benchmark scripts read back from a server's log, and an
+earlier revision served by its own code."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from auk_triton.serving.readiness import BUILD_AFTER_READY, BUILT_AFTER_READY  # noqa: E402
-from common import builds_pending, startup_lines  # noqa: E402
+from common import (  # noqa: E402
+    REPO_ROOT,
+    builds_pending,
+    revision_commit,
+    revision_tree,
+    start_launcher,
+    startup_lines,
+    synthetic_checkpoint,
+)
+
+in_a_git_checkout = pytest.mark.skipif(revision_commit("HEAD") is None, reason="not a git checkout")
 
 LOG = """\
 W1202 23:59:58.500000 674 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory"
@@ -55,3 +69,41 @@ def test_a_model_with_two_building_stages_is_still_building_until_both_have_said
     assert builds_pending(log) == {"auk_pipeline"}
     log += line(59, f"auk_pipeline: 553 {BUILT_AFTER_READY} 150.0 s after READY (118 parts of buckets)")
     assert builds_pending(log) == set()
+
+
+@in_a_git_checkout
+def test_a_revision_tree_holds_that_commit_s_files_and_an_unknown_revision_is_named_in_its_error(tmp_path):
+    tree = revision_tree("HEAD~1", tmp_path / "tree")
+    for path in ("benchmarks/common.py", "model_repository/auk_pipeline/configs/gpu.pbtxt"):
+        committed = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"HEAD~1:{path}"], capture_output=True,
+                                   check=True).stdout
+        assert (tree / path).read_bytes() == committed
+    assert revision_commit("no-such-revision") is None
+    with pytest.raises(RuntimeError, match="git archive no-such-revision"):
+        revision_tree("no-such-revision", tmp_path / "none")
+
+
+@in_a_git_checkout
+def test_the_launcher_of_a_revision_tree_serves_that_tree_s_code_in_the_launcher_and_the_model(tmp_path):
+    """Today's checkout is on the module path too (installed, or PYTHONPATH): the tree's package
+    must come first, in the launcher and in the Python backend's model process alike."""
+    pytest.importorskip("tritonclient.grpc")
+    tree = revision_tree("HEAD", tmp_path / "tree")
+    package = tree / "auk_triton" / "__init__.py"
+    marker = "\nimport os as _os\nprint('auk_triton of the tree in', _os.getpid(), flush=True)\n"
+    package.write_text(package.read_text() + marker)
+    launcher = pytest.importorskip("auk_triton.front_door.launcher")
+    try:
+        launcher.tritonserver_executable()
+    except launcher.TritonNotFound as err:
+        pytest.skip(f"tritonserver is not available: {err}")
+    log = tmp_path / "launcher.log"
+    checkpoint = synthetic_checkpoint(tmp_path / "checkpoint", "small")
+    process, _, _ = start_launcher(checkpoint, tmp_path / "cache", log, device="cpu", ready_timeout_s=300,
+                                   project_root=tree)
+    process.terminate()
+    process.wait(timeout=60)
+    text = log.read_text(errors="replace")
+    processes = {line.split()[-1] for line in text.splitlines() if line.startswith("auk_triton of the tree in")}
+    assert len(processes) == 2, text[-3000:]  # the launcher, and the model's stub process
+    assert f"--model-repository={tree / 'model_repository'}" in text
