@@ -73,9 +73,9 @@ def test_a_model_with_two_building_stages_is_still_building_until_both_have_said
 
 @in_a_git_checkout
 def test_a_revision_tree_holds_that_commit_s_files_and_an_unknown_revision_is_named_in_its_error(tmp_path):
-    tree = revision_tree("HEAD~1", tmp_path / "tree")
+    tree = revision_tree("HEAD", tmp_path / "tree")
     for path in ("benchmarks/common.py", "model_repository/auk_pipeline/configs/gpu.pbtxt"):
-        committed = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"HEAD~1:{path}"], capture_output=True,
+        committed = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"HEAD:{path}"], capture_output=True,
                                    check=True).stdout
         assert (tree / path).read_bytes() == committed
     assert revision_commit("no-such-revision") is None
