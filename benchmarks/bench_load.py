@@ -923,7 +923,7 @@ def serve(args, checkpoint: Path, cache: Path, stack: contextlib.ExitStack) -> t
     (`--revision`) that revision's; it is stopped when `stack` closes. Returns the gRPC address
     the load goes to and the metrics address."""
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="auk-load-server-")))
-    project_root = revision_tree(args.revision, folder / "revision") if args.revision else REPO_ROOT
+    project_root = revision_tree(args.revision_commit, folder / "revision") if args.revision else REPO_ROOT
     repository = None
     if served_values(args) or tuple(args.buckets) != tuple(DEFAULT_COMPILE_SHAPES):
         repository = served_repository(args, folder / "model_repository", project_root)
@@ -1309,7 +1309,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda: torch sees no CUDA here (--device cpu checks the script on the CPU)")
     if args.revision and not args.front_door:
         parser.error("--revision serves that revision through its own launcher: add --front-door")
-    if args.revision and revision_commit(args.revision) is None:
+    args.revision_commit = revision_commit(args.revision) if args.revision else None
+    if args.revision and args.revision_commit is None:
         parser.error(f"--revision {args.revision}: no such commit in this repository")
     if args.url and args.front_door:
         parser.error("--front-door starts a server here; --url drives one already running")
@@ -1403,7 +1404,7 @@ def main() -> None:
     say(heading(f"{what} under load{door}, {args.preset} (synthetic), {args.format}", args.device))
     say(f"command: {command_line()}")
     if args.revision:
-        say(f"served: the code of {args.revision} ({revision_commit(args.revision)}), not this checkout's")
+        say(f"served: the code of {args.revision} ({args.revision_commit}), not this checkout's")
     settings = decode_settings(args)
     where = ("the running server's settings are its own; in process" if args.url
              else f"this checkout's; {args.revision} serves its own" if args.revision
