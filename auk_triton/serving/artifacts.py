@@ -136,7 +136,8 @@ def use_artifacts(artifacts_dir: Path, device: torch.device, log: Callable[[str]
     key = build_key(device)
     folder, missing = find_artifacts(artifacts_dir, key)
     if missing is None:
-        log(f"start-up artifacts: {folder} (built for this GPU, torch and code)")
+        processor = "GPU" if device.type == "cuda" else "CPU"
+        log(f"start-up artifacts: {folder} (built for this {processor}, torch and code)")
     else:
         log(f"start-up artifacts: compiling into {folder} ({missing})")
         try:

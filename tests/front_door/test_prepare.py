@@ -46,7 +46,7 @@ def test_prepare_builds_the_artifacts_a_restart_then_finds_passing_over_foreign_
 
     again = prepare(env)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert any("auk_vae_decode: start-up artifacts: " in line and "(built for this GPU, torch and code)" in line
+    assert any("auk_vae_decode: start-up artifacts: " in line and "(built for this CPU, torch and code)" in line
                for line in again.stdout.splitlines()), again.stdout
 
 

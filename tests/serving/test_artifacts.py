@@ -40,6 +40,9 @@ def test_a_first_start_compiles_into_its_own_subfolder_and_the_next_finds_it(tmp
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert os.environ["QUACK_CACHE_DIR"] == str(folder / "quack")
     assert find_artifacts(tmp_path, build_key(CPU)) == (folder, None)
+    lines.clear()
+    assert use_artifacts(tmp_path, CPU, lines.append) == folder
+    assert lines == [f"start-up artifacts: {folder} (built for this CPU, torch and code)"]
 
 
 def test_artifacts_of_another_torch_and_gpu_are_not_used_and_the_log_names_the_differences(tmp_path,
