@@ -29,12 +29,13 @@ from common import compile_time_breakdown, heading, replay_ms, say, served_graph
 SERVED = "served"  # as the decode model runs: it leaves torch's default limit
 
 
-def one_pass(cache: Path, preset: str, limit: str, iters: int) -> dict:
-    """Build and warm up the served graphs in this process; their timings as a dict."""
+def one_pass(cache: Path, preset: str, limit: str, iters: int, batch_frames: int | None = None) -> dict:
+    """Build and warm up the served graphs in this process (`batch_frames`: that setting instead of
+    the model's); their timings as a dict."""
     use_compile_cache(cache)
     checkpoint = synthetic_checkpoint(cache / "checkpoint", preset)
     began = time.perf_counter()
-    settings = DecodeSettings()
+    settings = DecodeSettings(batch_frames=batch_frames)
     graph = served_graph(checkpoint, settings)
     if limit != SERVED:
         torch.backends.cudnn.benchmark_limit = int(limit)
@@ -60,10 +61,13 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="compile caches and the checkpoint (default: a new empty folder: the first pass is cold)")
     parser.add_argument("--iters", type=int, default=50, help="timed replays per graph (default 50)")
+    parser.add_argument("--batch-frames", type=int, default=None,
+                        help="the most frames one batched replay decodes (default: the model's, one tile): 2048 "
+                             "also captures and times 2 and 4 rows of the 512-frame bucket")
     parser.add_argument("--one-pass", action="store_true", help=argparse.SUPPRESS)  # a pass's own process
     args = parser.parse_args()
     if args.one_pass:
-        print(json.dumps(one_pass(args.cache_dir, args.preset, args.limits[0], args.iters)))
+        print(json.dumps(one_pass(args.cache_dir, args.preset, args.limits[0], args.iters, args.batch_frames)))
         return
     if not torch.cuda.is_available():
         sys.exit("bench_warmup needs CUDA: the warm-up compiles and captures GPU graphs")
@@ -71,12 +75,16 @@ def main() -> None:
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="auk-warmup-"))
     cache.mkdir(parents=True, exist_ok=True)
     cold = not (cache / "inductor").exists()
-    say(heading(f"The streaming model's warm-up in process, preset {args.preset}", "cuda", f", cache {cache}"))
+    batching = f", batch_frames {args.batch_frames}" if args.batch_frames else ""
+    say(heading(f"The streaming model's warm-up in process, preset {args.preset}", "cuda",
+                f", cache {cache}{batching}"))
     passes = []
     for index, limit in enumerate(args.limits):
         caches = "cold" if cold and index == 0 else "warm"
         command = [sys.executable, __file__, "--one-pass", "--limits", limit, "--preset", args.preset,
                    "--cache-dir", str(cache), "--iters", str(args.iters)]
+        if args.batch_frames:
+            command += ["--batch-frames", str(args.batch_frames)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"pass {index + 1} failed ({done.returncode}):\n{done.stderr[-4000:]}")
