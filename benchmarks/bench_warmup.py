@@ -7,8 +7,10 @@ streaming model does on a GPU (its default settings, fp16 with cuDNN's benchmark
 times `AuKVAEDecodeGraph.warmup` bucket by bucket, then times a replay of each bucket
 and batched graph. `--limits` gives each pass's `torch.backends.cudnn.benchmark_limit`
 (how many convolution algorithms cuDNN times per shape): the passes show what a limit
-saves at start-up and what it costs the graphs. Weights are a seeded synthetic
-checkpoint (not real audio).
+saves at start-up and what it costs the graphs. `--batch-frames` sets the decoder's
+(2048: the 512-frame bucket batches 2 and 4 rows too) and also times the largest bucket
+as a plain graph of one row, what its batched rows are made of. Weights are a seeded
+synthetic checkpoint (not real audio).
 
     PYTHONPATH=.:client:benchmarks python3 benchmarks/bench_warmup.py --limits served served 4 2
 """
@@ -23,8 +25,10 @@ from pathlib import Path
 
 import torch
 
+from auk_triton.codec import AuKVAEDecodeGraph
 from auk_triton.serving.config import DecodeSettings, use_compile_cache
-from common import compile_time_breakdown, heading, replay_ms, say, served_graph, synthetic_checkpoint
+from common import (compile_time_breakdown, heading, latents, median_ms, replay_ms, say, served_graph,
+                    synthetic_checkpoint)
 
 SERVED = "served"  # as the decode model runs: it leaves torch's default limit
 
@@ -48,6 +52,10 @@ def one_pass(cache: Path, preset: str, limit: str, iters: int, batch_frames: int
     for frames in graph.compile_shapes:
         for rows in [b for b in graph.batch_sizes if b <= graph.batch_capacity(frames)]:
             replays[f"{frames} x {rows}"] = round(replay_ms(graph, frames, rows, iters), 3)
+    if batch_frames:  # what a batched row is against besides the compiled bucket: the same kernels, one row
+        largest = max(graph.compile_shapes)
+        plain, clip = AuKVAEDecodeGraph(graph.vae, compile_shapes=()), latents(largest, "cuda")
+        replays[f"{largest} x 1, plain graph"] = round(median_ms(lambda: plain(clip), iters), 3)
     return {"limit": torch.backends.cudnn.benchmark_limit, "loaded_s": round(loaded, 1), "warmup_s": round(warmup, 1),
             "buckets_s": buckets, "compile": compile_time_breakdown(6), "replay_ms": replays}
 
